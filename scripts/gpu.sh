@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: tests, sanitizer, check, benchmark. Logs and results go to $OUT; a short
+# summary is printed last. Usage: scripts/gpu.sh [full|quick]   (quick: GPU tests only, no sanitizer)
+set -uo pipefail
+MODE=${1:-full}
+OUT=${OUT:-/tmp/flashtile-out}
+mkdir -p "$OUT/docs"
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 FLASHTILE_CACHE_DIR=/tmp/flashtile-cache
+summary=()
+step() {  # step NAME LOGFILE COMMAND...
+    local name=$1 log=$2; shift 2
+    local t0=$SECONDS
+    "$@" >"$OUT/$log" 2>&1
+    local rc=$?
+    summary+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$OUT/$log" | cut -c1-90)")")
+    return $rc
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+python3 -m flashtile info 2>&1 | tail -n 12
+step compile compile.log python3 -m flashtile compile
+if [ "$MODE" = full ]; then
+    step tests pytest.log python3 -m pytest -q -x -p no:cacheprovider tests
+else
+    step tests pytest.log python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py
+fi
+if [ "$MODE" = full ]; then
+    step memcheck sanitizer.log compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize.py
+    step racecheck racecheck.log compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize.py
+fi
+step check check.log python3 -m flashtile check
+step bench bench.log python3 -m flashtile bench ladder --shape 4,16,4096,64 --dtype bf16 --out "$OUT/docs"
+grep -E "FAIL|Error|error" "$OUT/pytest.log" | head -n 20
+tail -n 25 "$OUT/bench.log"
+echo "==== summary ($MODE) ===="
+printf '%s\n' "${summary[@]}"

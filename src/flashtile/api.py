@@ -1,0 +1,144 @@
+"""The public entry points: check every argument, normalise, and hand one problem to one path.
+
+Bad input raises TypeError/ValueError naming the argument and what was expected — before anything
+reaches a kernel, so a caller never sees a CUDA error, a crash or a silently wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+import torch.nn.functional as F
+
+from . import ladder, reference
+from .forward import FwdProblem, default_scale
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8        # GPU kernels load 16 bytes at a time: head dims are padded to a multiple of 8
+ALIGN_BYTES = 16
+
+
+def _check_tensor(name: str, t, rank: int, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dimensions {what}, got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {t.stride()}")
+
+
+def _check_family(q, k, v) -> None:
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    if v.shape[-2] != heads_kv:
+        raise ValueError(f"k and v must have the same number of heads, got {heads_kv} and {v.shape[-2]}")
+    if heads_q % heads_kv != 0:
+        raise ValueError(f"heads of q ({heads_q}) must be a multiple of heads of k and v ({heads_kv}) (GQA/MQA)")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+    for name, dim in (("q/k head_dim", q.shape[-1]), ("v head_dim", v.shape[-1])):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be between 1 and {MAX_HEAD_DIM}, got {dim}")
+
+
+def _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch: int | None) -> tuple[float, tuple]:
+    if softmax_scale is None:
+        scale = default_scale(q.shape[-1])
+    elif isinstance(softmax_scale, Real) and not isinstance(softmax_scale, bool) and math.isfinite(softmax_scale):
+        scale = float(softmax_scale)
+    else:
+        raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)):
+        raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
+    if not (isinstance(softcap, Real) and math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
+    if alibi_slopes is not None:
+        heads_q = q.shape[-2]
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes must be on {q.device} like q, got {alibi_slopes.device}")
+        allowed = [(heads_q,)] + ([(batch, heads_q)] if batch is not None else [])
+        if tuple(alibi_slopes.shape) not in allowed or alibi_slopes.stride(-1) != 1:
+            raise ValueError(f"alibi_slopes must have shape (heads_q,) or (batch, heads_q) = {allowed}, "
+                             f"contiguous in the last dim; got {tuple(alibi_slopes.shape)}")
+    return scale, tuple(window_size)
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """Make 16-byte vector loads legal: head dim a multiple of 8 (zero padding), aligned base and strides."""
+    if t.shape[-1] % HEAD_DIM_MULTIPLE:
+        return F.pad(t, (0, -t.shape[-1] % HEAD_DIM_MULTIPLE))  # a fresh, contiguous, aligned tensor
+    elem = t.element_size()
+    if t.data_ptr() % ALIGN_BYTES or any(s * elem % ALIGN_BYTES for s in t.stride()[:-1]):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _cuda_forward(problem: FwdProblem, rung):
+    """Pad/align the operands, run the chosen rung, cut the padding off the output."""
+    head_dim_v = problem.head_dim_v
+    problem.q, problem.k, problem.v = _kernel_ready(problem.q), _kernel_ready(problem.k), _kernel_ready(problem.v)
+    chosen = ladder.best_for(problem) if rung == "auto" else ladder.get(rung)
+    why_not = chosen.unsupported(problem)
+    if why_not:
+        raise ValueError(why_not)
+    o, lse = chosen.run(problem)
+    return (o[..., :head_dim_v] if o.shape[-1] != head_dim_v else o), lse
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, return_lse=False, rung="auto"):
+    """Exact attention, FlashAttention layout.
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim);
+           v: (batch, seqlen_k, heads_kv, head_dim_v). float16, bfloat16 or float32; heads_q a multiple
+           of heads_kv (GQA/MQA); seqlen_q may differ from seqlen_k.
+        causal: mask aligned to the bottom-right corner (FlashAttention >= 2.1).
+        softmax_scale: defaults to 1 / sqrt(head_dim).
+        window_size: (left, right) sliding-window bounds, -1 = unbounded.
+        softcap: if > 0, scores become softcap * tanh(scores / softcap).
+        alibi_slopes: float32 (heads_q,) or (batch, heads_q); adds -slope * |i + seqlen_k - seqlen_q - j|.
+        return_lse: also return the fp32 log-sum-exp (batch, heads_q, seqlen_q).
+        rung: "auto" (the fastest kernel that serves the inputs), or a ladder rung by name or number.
+    Returns:
+        out (batch, seqlen_q, heads_q, head_dim_v) in the dtype of q, and lse if ``return_lse``.
+    """
+    _check_tensor("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
+    _check_tensor("k", k, 4, "(batch, seqlen_k, heads_kv, head_dim)")
+    _check_tensor("v", v, 4, "(batch, seqlen_k, heads_kv, head_dim_v)")
+    _check_family(q, k, v)
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"q, k and v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"k and v must have the same seqlen, got {k.shape[1]} and {v.shape[1]}")
+    scale, window = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, q.shape[0])
+    if rung != "auto":
+        ladder.get(rung)  # an unknown rung is an error on every device
+
+    if q.device.type == "cpu":
+        if rung != "auto":
+            raise ValueError(f"rung={rung!r} runs CUDA kernels; CPU tensors take the chunked path (rung='auto')")
+        o, lse = reference.attention_chunked(q, k, v, causal=causal, softmax_scale=scale, window_size=window,
+                                             softcap=softcap, alibi_slopes=alibi_slopes)
+    elif q.device.type == "cuda":
+        problem = FwdProblem(q, k, v, scale, reference.effective_window(causal, window), float(softcap),
+                             alibi_slopes, want_lse=return_lse)
+        o, lse = _cuda_forward(problem, rung)
+    else:
+        raise ValueError(f"q, k and v must be CPU or CUDA tensors, got device {q.device}")
+    return (o, lse) if return_lse else o

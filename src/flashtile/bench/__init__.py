@@ -1,0 +1,1 @@
+"""Benchmarks: flashtile side by side with torch's SDPA backends, measured in one run."""

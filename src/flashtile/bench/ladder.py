@@ -1,0 +1,84 @@
+"""`flashtile bench ladder`: every rung and every SDPA backend at one shape, in one run."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from unittest import mock
+
+import torch
+
+from .. import api, jit, ladder, specs
+from ..reference import attention_chunked
+from . import measure, peers
+
+
+def _inputs(batch, heads, seqlen, head_dim, dtype, device):
+    g = torch.Generator(device=device).manual_seed(int(time.time()))  # fresh random inputs every run
+    return [torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype, generator=g) for _ in range(3)]
+
+
+def run(shape: tuple[int, int, int, int], dtype: torch.dtype, causal: bool, reps: int = 30,
+        progress=None) -> dict:
+    """Time every rung and peer at (batch, heads, seqlen, head_dim). Returns the results document."""
+    batch, heads, seqlen, head_dim = shape
+    flops = measure.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal)
+    doc = {"kind": "ladder", "shape": dict(batch=batch, heads=heads, seqlen=seqlen, head_dim=head_dim),
+           "dtype": str(dtype).removeprefix("torch."), "causal": causal, "flops": flops, "rows": []}
+    rows = doc["rows"]
+
+    def add(name, kind, ms, note=""):
+        rows.append(dict(name=name, kind=kind, ms=ms, tflops=flops / ms / 1e9 if ms else None, note=note))
+        if progress:
+            progress(name, ms)
+
+    if not torch.cuda.is_available():
+        doc["kind"] = "ladder-cpu"
+        q, k, v = _inputs(batch, heads, seqlen, head_dim, dtype, "cpu")
+        add("cpu-chunked", "flashtile", measure.time_cpu(lambda: attention_chunked(q, k, v, causal=causal), reps=3))
+        runner = peers.sdpa_runner("sdpa-math", q, k, v, causal)
+        if runner:
+            add("sdpa-math (cpu)", "peer", measure.time_cpu(runner, reps=3))
+        return _with_speedups(doc, baseline="sdpa-math (cpu)")
+
+    q, k, v = _inputs(batch, heads, seqlen, head_dim, dtype, "cuda")
+    for rung in ladder.RUNGS:
+        if dtype not in rung.dtypes or head_dim > rung.max_head_dim:
+            continue
+        ms = measure.time_cuda(lambda: api.attention(q, k, v, causal=causal, rung=rung.name),
+                               reps=reps if rung.number > 0 else max(5, reps // 3))
+        add(f"{rung.number} {rung.name}", "rung", ms)
+    for backend in peers.SDPA_BACKENDS:
+        runner = peers.sdpa_runner(backend, q, k, v, causal)
+        if runner is not None:
+            add(backend, "peer", measure.time_cuda(runner, reps=reps))
+        else:
+            add(backend, "peer", None, "not available for these inputs")
+    doc["runtime"] = runtime_costs(dtype)
+    return _with_speedups(doc, baseline=f"0 {ladder.RUNGS[0].name}")
+
+
+def _with_speedups(doc: dict, baseline: str) -> dict:
+    base = next((r["ms"] for r in doc["rows"] if r["name"] == baseline), None)
+    doc["baseline"] = baseline
+    for r in doc["rows"]:
+        r["speedup"] = base / r["ms"] if base and r["ms"] else None
+    return doc
+
+
+def runtime_costs(dtype: torch.dtype) -> dict:
+    """Cold NVRTC compile and disk-cache load of the top rung's spec, and host time per warm call."""
+    top = ladder.RUNGS[-1]
+    arch = specs.arch_of(torch.cuda.get_device_capability())
+    spec = top.specs(specs.DTYPES[dtype], 64, arch)[0]
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {"FLASHTILE_CACHE_DIR": tmp}):
+        jit.clear_memo()
+        cold = jit.compile_spec(spec).seconds
+        jit.clear_memo()
+        cached = jit.compile_spec(spec).seconds
+    jit.clear_memo()
+    small = [torch.randn(1, 128, 4, 64, device="cuda", dtype=dtype) for _ in range(3)]
+    overhead = measure.host_overhead_us(lambda: api.attention(*small))
+    return {"spec": spec.name, "cold_compile_s": cold, "cached_load_ms": cached * 1e3,
+            "host_overhead_us": overhead, "overhead_shape": "1x128x4x64"}

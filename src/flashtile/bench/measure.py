@@ -1,0 +1,65 @@
+"""How we count and how we time (../TARGETS conventions): FLOPs of attention, CUDA-event medians."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+BWD_FLOP_FACTOR = 2.5  # backward = 2 matmuls recomputed + 3 for gradients over the forward's 2: FlashAttention's 2.5x
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                    head_dim_v: int | None = None, causal: bool = False, backward: bool = False) -> float:
+    """Matmul FLOPs of attention: 2*sq*sk*d for QK^T plus 2*sq*sk*dv for PV, per (batch, head).
+
+    Causal counts half (the FlashAttention convention, exact for seqlen_q == seqlen_k up to the
+    diagonal); backward counts 2.5x the forward.
+    """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    flops = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim + head_dim_v)
+    if causal:
+        flops /= 2
+    return flops * (BWD_FLOP_FACTOR if backward else 1.0)
+
+
+def time_cuda(fn: Callable[[], object], reps: int = 30, warmup: int = 5) -> float:
+    """Median milliseconds of `fn` over `reps` runs, each timed with its own pair of CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def time_cpu(fn: Callable[[], object], reps: int = 3, warmup: int = 1) -> float:
+    """Median milliseconds of `fn` on the host clock."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def host_overhead_us(fn: Callable[[], object], calls: int = 2000) -> float:
+    """Host microseconds per call of `fn` when the GPU keeps up: launch cost, not kernel time."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6

@@ -1,0 +1,137 @@
+"""The `flashtile` command: info, check, compile, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "fp16": torch.float16, "f32": torch.float32,
+           "fp32": torch.float32}
+
+
+def _shape(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--shape must be batch,heads,seqlen,head_dim (positive ints), got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def cmd_info(args) -> int:
+    from . import jit, ladder
+    from .bench.system import describe
+
+    facts = describe()
+    for key, value in facts.items():
+        print(f"{key:>14}: {value}")
+    print(f"{'cache dir':>14}: {jit.cache_dir()}")
+    if torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+        runnable = [f"{r.number} {r.name}" for r in ladder.RUNGS if capability >= r.min_capability]
+        print(f"{'rungs here':>14}: {', '.join(runnable)}")
+    else:
+        print(f"{'rungs here':>14}: none (no CUDA device); CPU tensors use the chunked PyTorch path")
+    return 0
+
+
+def _check_cases():
+    """(shape, causal) cases for `check`: odd lengths, seqlen_q != seqlen_k, GQA, padded head dims."""
+    return [((2, 17, 17, 2, 2, 64), False), ((1, 1000, 1000, 4, 2, 64), True), ((1, 1, 300, 2, 1, 128), True),
+            ((2, 333, 129, 2, 2, 40), True), ((1, 1024, 1024, 2, 2, 128), False), ((1, 4097, 4097, 1, 1, 64), True)]
+
+
+def cmd_check(args) -> int:
+    from . import api, ladder
+    from .testing import compare
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(time.time_ns() % 2**63)  # fresh inputs every run
+    failures = 0
+    targets = [r for r in ladder.RUNGS if device == "cuda"] or [None]
+    for rung in targets:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            if rung is not None and dtype not in rung.dtypes:
+                continue
+            for (b, sq, sk, hq, hkv, d), causal in _check_cases():
+                if rung is not None and d > rung.max_head_dim:
+                    continue
+                if device == "cpu" and sq * sk > 400_000:
+                    continue
+                q = torch.randn(b, sq, hq, d, device=device, generator=gen).to(dtype)
+                k = torch.randn(b, sk, hkv, d, device=device, generator=gen).to(dtype)
+                v = torch.randn(b, sk, hkv, d, device=device, generator=gen).to(dtype)
+                name = rung.name if rung else "auto"
+                out, lse = api.attention(q, k, v, causal=causal, return_lse=True, rung=name)
+                result = compare(q, k, v, out, lse, causal=causal)
+                failures += not result.ok
+                label = f"{rung.number} {rung.name}" if rung else "cpu-chunked"
+                print(f"{'ok  ' if result.ok else 'FAIL'} {label:<12} {str(dtype):<15} "
+                      f"b={b} sq={sq} sk={sk} hq={hq} hkv={hkv} d={d} causal={int(causal)}  {result}")
+    print(f"{failures} failure(s)" if failures else "all checks passed")
+    return 1 if failures else 0
+
+
+def cmd_compile(args) -> int:
+    from . import jit, specs
+
+    arch = args.arch
+    if arch is None:
+        if not torch.cuda.is_available():
+            print("no CUDA device: name a target with --arch (e.g. sm_90a)", file=sys.stderr)
+            return 2
+        arch = specs.arch_of(torch.cuda.get_device_capability())
+    todo = specs.all_specs(arch)
+    spills, start = [], time.perf_counter()
+    try:
+        from rich.progress import track
+    except ImportError:
+        def track(items, description=""):
+            return items
+    for spec in track(todo, description=f"compiling {len(todo)} specs for {arch}"):
+        module = jit.compile_spec(spec)
+        spills += [f"{spec.name}:{k}" for k, r in module.resources.items() if r.spill_stores or r.spill_loads]
+    print(f"{len(todo)} specs ready for {arch} in {time.perf_counter() - start:.1f} s (cache: {jit.cache_dir()})")
+    if spills:
+        print("register spills in: " + ", ".join(spills))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import ladder as ladder_bench
+    from .bench import report
+    from .bench.system import describe
+
+    if args.what != "ladder":
+        print(f"unknown benchmark {args.what!r}; available: ladder", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("No CUDA GPU here: timing the CPU path (chunked online softmax) against torch's CPU SDPA instead.")
+    doc = ladder_bench.run(args.shape, _DTYPES[args.dtype], args.causal, reps=args.reps,
+                           progress=lambda name, ms: print(f"  {name:<18} {ms if ms is None else round(ms, 3)} ms",
+                                                          flush=True))
+    doc["system"] = describe()
+    report.print_table(doc)
+    for path in report.save(doc, Path(args.out)):
+        print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashtile", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="GPU, architecture, driver, NVRTC, cache dir, rungs that run here")
+    sub.add_parser("check", help="every rung against the fp64 reference on fresh random inputs")
+    p = sub.add_parser("compile", help="precompile every kernel spec for this GPU or --arch")
+    p.add_argument("--arch", help="target such as sm_80, sm_89, sm_90a (default: this GPU)")
+    p = sub.add_parser("bench", help="time flashtile beside torch's SDPA backends")
+    p.add_argument("what", choices=["ladder"], help="ladder: every rung at one shape")
+    p.add_argument("--shape", type=_shape, default=(4, 16, 4096, 64), help="batch,heads,seqlen,head_dim")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--reps", type=int, default=30, help="timed runs per kernel (median reported)")
+    p.add_argument("--out", default="docs", help="docs folder: results/ and performance.md are written there")
+    args = parser.parse_args(argv)
+    return {"info": cmd_info, "check": cmd_check, "compile": cmd_compile, "bench": cmd_bench}[args.command](args)

@@ -1,0 +1,213 @@
+"""Run-time compilation: kernel spec -> NVRTC -> cubin, cached in memory and on disk.
+
+The path of a request (the FlashInfer pattern): in-process memo -> disk cache (no lock) -> file lock
+-> disk cache again (another process may have just built it) -> NVRTC -> atomic write. A cache entry is
+two files named after the spec: ``<name>-<key>.cubin`` and ``<name>-<key>.json``. The JSON is written
+last and carries the cubin's SHA-256, so a crash mid-write, a truncated or a corrupted file is noticed
+and the entry is rebuilt. The key hashes the source, every header it includes, the compile options,
+the architecture and the NVRTC version.
+
+Compilation needs no GPU: NVRTC runs on the CPU, which is how CI compiles every kernel for several
+architectures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from filelock import FileLock
+
+from .specs import KernelSpec
+
+KERNEL_ROOT = Path(__file__).parent / "kernels"
+_CACHE_FORMAT = 1  # bump when the entry layout changes
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel. Carries the spec and the full compiler log."""
+
+    def __init__(self, spec: KernelSpec, log: str):
+        super().__init__(f"NVRTC failed to compile {spec.name} ({spec.source}):\n{log}")
+        self.spec = spec
+        self.log = log
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reported for one kernel (bytes, except registers and barriers)."""
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_frame: int
+    shared_static: int
+    barriers: int
+
+
+@dataclass
+class CompiledModule:
+    spec: KernelSpec
+    cubin: bytes
+    resources: dict[str, KernelResources]
+    log: str
+    origin: str = "nvrtc"          # "nvrtc" | "disk" | "memory"
+    seconds: float = 0.0           # time this request took
+    key: str = field(default="", repr=False)
+
+
+def cache_dir() -> Path:
+    """$FLASHTILE_CACHE_DIR, else $XDG_CACHE_HOME/flashtile, else ~/.cache/flashtile."""
+    override = os.environ.get("FLASHTILE_CACHE_DIR")
+    if override:
+        return Path(override)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flashtile"
+
+
+@cache
+def nvrtc_version() -> tuple[int, int]:
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"nvrtcVersion failed: {err}")
+    return major, minor
+
+
+def source_closure(source: str) -> dict[str, str]:
+    """The source file and every header it includes (transitively), keyed by path under kernels/."""
+    seen: dict[str, str] = {}
+    pending = [source]
+    while pending:
+        rel = pending.pop()
+        if rel in seen:
+            continue
+        text = (KERNEL_ROOT / rel).read_text()
+        seen[rel] = text
+        folder = Path(rel).parent
+        for inc in _INCLUDE.findall(text):
+            pending.append(os.path.normpath(folder / inc))
+    return seen
+
+
+def compile_options(spec: KernelSpec) -> dict:
+    return dict(
+        name=spec.source,
+        arch=spec.arch,
+        std="c++17",
+        include_path=[str(KERNEL_ROOT / Path(spec.source).parent)],
+        define_macro=spec.macro_definitions(),
+        ptxas_options=["-v"],
+    )
+
+
+def cache_key(spec: KernelSpec) -> str:
+    h = hashlib.sha256()
+    for rel, text in sorted(source_closure(spec.source).items()):
+        h.update(rel.encode() + b"\0" + text.encode() + b"\0")
+    options = compile_options(spec) | {"include_path": None}  # the install location must not change the key
+    h.update(json.dumps([_CACHE_FORMAT, spec.entries, options, nvrtc_version()], sort_keys=True).encode())
+    return h.hexdigest()[:20]
+
+
+_RESOURCE_LINE = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED_LINE = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+_ENTRY_LINE = re.compile(r"Compiling entry function '([^']+)'")
+
+
+def parse_resources(log: str) -> dict[str, KernelResources]:
+    """Per-kernel registers / spills / stack / static shared memory from the `ptxas -v` log."""
+    result: dict[str, KernelResources] = {}
+    parts = _ENTRY_LINE.split(log)
+    for name, body in zip(parts[1::2], parts[2::2]):
+        res = _RESOURCE_LINE.search(body)
+        used = _USED_LINE.search(body)
+        if res is None or used is None:
+            raise RuntimeError(f"could not read ptxas resource report for {name}:\n{body}")
+        stack, spill_st, spill_ld = (int(x) for x in res.groups())
+        regs, barriers, smem = used.groups()
+        result[name] = KernelResources(int(regs), spill_st, spill_ld, stack, int(smem or 0), int(barriers or 0))
+    return result
+
+
+def _nvrtc_compile(spec: KernelSpec) -> tuple[bytes, str]:
+    from cuda.core import Program, ProgramOptions
+
+    source = (KERNEL_ROOT / spec.source).read_text()
+    program = Program(source, "c++", ProgramOptions(**compile_options(spec)))
+    log = io.StringIO()
+    try:
+        obj = program.compile("cubin", logs=log)
+    except Exception as exc:  # cuda.core raises NVRTCError with the log in its message
+        raise CompileError(spec, f"{exc}\n{log.getvalue()}") from None
+    finally:
+        program.close()
+    return bytes(obj.code), log.getvalue().replace("\x00", "")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _read_entry(stem: Path, spec: KernelSpec, key: str) -> CompiledModule | None:
+    """The cached module, or None if the entry is missing, truncated or corrupt."""
+    try:
+        meta = json.loads(stem.with_suffix(".json").read_text())
+        cubin = stem.with_suffix(".cubin").read_bytes()
+        if meta["key"] != key or hashlib.sha256(cubin).hexdigest() != meta["sha256"]:
+            return None
+        resources = {name: KernelResources(**r) for name, r in meta["resources"].items()}
+        return CompiledModule(spec, cubin, resources, meta["log"], origin="disk", key=key)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+_memo: dict[KernelSpec, CompiledModule] = {}
+
+
+def compile_spec(spec: KernelSpec, *, use_cache: bool = True) -> CompiledModule:
+    """The compiled module for `spec`, from memory, the disk cache, or NVRTC — in that order."""
+    start = time.perf_counter()
+    if use_cache and spec in _memo:
+        return _memo[spec]
+    key = cache_key(spec)
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"{spec.name}-{key}"
+    module = _read_entry(stem, spec, key) if use_cache else None
+    if module is None:
+        with FileLock(str(stem) + ".lock"):
+            module = _read_entry(stem, spec, key) if use_cache else None
+            if module is None:
+                cubin, log = _nvrtc_compile(spec)
+                module = CompiledModule(spec, cubin, parse_resources(log), log, origin="nvrtc", key=key)
+                meta = {"key": key, "spec": spec.name, "sha256": hashlib.sha256(cubin).hexdigest(),
+                        "resources": {n: r.__dict__ for n, r in module.resources.items()}, "log": log}
+                _atomic_write(stem.with_suffix(".cubin"), cubin)
+                _atomic_write(stem.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+    module.seconds = time.perf_counter() - start
+    _memo[spec] = module
+    return module
+
+
+def clear_memo() -> None:
+    """Forget in-process results (tests use this to exercise the disk cache)."""
+    _memo.clear()

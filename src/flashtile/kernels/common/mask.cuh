@@ -1,0 +1,32 @@
+// mask.cuh — which keys a query may see: causal and sliding-window masks, bottom-right aligned.
+//
+// Query i sees key j when  i + offset - left <= j <= i + offset + right,  offset = seqlen_k - seqlen_q
+// (the FlashAttention >= 2.1 convention: the last query row lines up with the last key). A negative
+// bound is unbounded; causal attention is right = 0.
+#pragma once
+#include "numeric.cuh"
+
+struct Mask {
+    int left, right, offset, seqlen_k;
+
+    __device__ __forceinline__ Mask(int left_, int right_, int seqlen_q, int seqlen_k_)
+        : left(left_), right(right_), offset(seqlen_k_ - seqlen_q), seqlen_k(seqlen_k_) {}
+
+    __device__ __forceinline__ bool allowed(int i, int j) const {
+        const int diag = i + offset;
+        return j < seqlen_k && (left < 0 || j >= diag - left) && (right < 0 || j <= diag + right);
+    }
+    // Keys [key_begin, key_end) hold every key that any query row in [row_begin, row_end) may see.
+    __device__ __forceinline__ int key_begin(int row_begin) const {
+        return left < 0 ? 0 : max(0, row_begin + offset - left);
+    }
+    __device__ __forceinline__ int key_end(int row_end) const {
+        return right < 0 ? seqlen_k : min(seqlen_k, max(0, row_end - 1 + offset + right + 1));
+    }
+    // True when every (row, key) pair of the tile is allowed, so the tile needs no masking at all.
+    __device__ __forceinline__ bool tile_unmasked(int row_begin, int row_end, int key0, int key1) const {
+        const bool lo_ok = left < 0 || key0 >= row_end - 1 + offset - left;
+        const bool hi_ok = right < 0 || key1 - 1 <= row_begin + offset + right;
+        return key1 <= seqlen_k && lo_ok && hi_ok;
+    }
+};

@@ -1,0 +1,66 @@
+// params.cuh — the one plain-data struct that crosses from host to device.
+//
+// Every attention kernel takes `const __grid_constant__ AttnParams p` by value. The Python side
+// (flashtile/launch.py, PARAM_FIELDS) packs the same fields in the same order; a CPU test compiles
+// static_asserts on every offset so the two can never drift apart.
+#pragma once
+#include "numeric.cuh"
+
+struct AttnParams {
+    // Tensors. q, k, v, o are elem_t; lse is fp32.
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    float* lse;                // null when the caller does not want the log-sum-exp
+    float* scores;             // rung 0 only: (batch, heads_q, seqlen_q, seqlen_k) fp32 scratch
+    const int* cu_seqlens_q;   // varlen: batch + 1 prefix sums of the packed sequences; null otherwise
+    const int* cu_seqlens_k;
+    const float* alibi_slopes; // (heads_q,) or (batch, heads_q); null when ALiBi is off
+
+    // Strides, in elements. The last dimension is always contiguous.
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;
+    i64 v_batch_stride, v_row_stride, v_head_stride;
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    i64 lse_batch_stride, lse_head_stride;  // lse rows are contiguous
+    i64 alibi_batch_stride;                 // 0 when the slopes are shared by the batch
+
+    // Sizes. For varlen, seqlen_q / seqlen_k are the maxima and each sequence's own comes from cu_seqlens.
+    int batch, heads_q, heads_kv, group;  // group = heads_q / heads_kv (GQA)
+    int seqlen_q, seqlen_k;
+    int head_dim, head_dim_v;             // the real (unpadded) sizes
+
+    // Softmax. score = softcap * tanh(scale * q.k / softcap) - slope * |i + seqlen_k - seqlen_q - j|.
+    float softmax_scale;
+    float scale_log2;         // softmax_scale * log2(e), for kernels that run the softmax in base 2
+    float softcap;            // 0 = off
+    int window_left, window_right;  // -1 = unbounded; causal is window_right = 0
+};
+
+// Where one (batch, head) problem lives: its sequence lengths and the element offsets of its rows.
+struct Problem {
+    int seqlen_q, seqlen_k;
+    i64 q_offset, k_offset, v_offset, o_offset, lse_offset;
+};
+
+__device__ __forceinline__ Problem locate_problem(const AttnParams& p, int b, int h) {
+    Problem pr;
+    const int h_kv = h / p.group;
+    i64 q_start = 0, k_start = 0;
+    if (p.cu_seqlens_q != nullptr) {
+        q_start = p.cu_seqlens_q[b];
+        k_start = p.cu_seqlens_k[b];
+        pr.seqlen_q = p.cu_seqlens_q[b + 1] - (int)q_start;
+        pr.seqlen_k = p.cu_seqlens_k[b + 1] - (int)k_start;
+    } else {
+        pr.seqlen_q = p.seqlen_q;
+        pr.seqlen_k = p.seqlen_k;
+    }
+    pr.q_offset = b * p.q_batch_stride + q_start * p.q_row_stride + h * p.q_head_stride;
+    pr.k_offset = b * p.k_batch_stride + k_start * p.k_row_stride + h_kv * p.k_head_stride;
+    pr.v_offset = b * p.v_batch_stride + k_start * p.v_row_stride + h_kv * p.v_head_stride;
+    pr.o_offset = b * p.o_batch_stride + q_start * p.o_row_stride + h * p.o_head_stride;
+    pr.lse_offset = b * p.lse_batch_stride + h * p.lse_head_stride + q_start;
+    return pr;
+}

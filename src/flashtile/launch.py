@@ -1,0 +1,111 @@
+"""Launching compiled kernels on torch tensors: params packing, module loading, the launch itself.
+
+cuda.core compiles (see jit.py) and loads the cubin. The launch goes through the driver's
+``cuLaunchKernel`` (cuda.bindings) because cuda.core 1.2 cannot pass a struct by value, and every
+flashtile kernel takes exactly one argument: the :data:`PARAM_FIELDS` struct (kernels/common/params.cuh).
+Work is queued on torch's *current* stream, so flashtile composes with streams, graphs and the rest of
+torch like any torch op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from . import jit
+from .specs import KernelSpec
+
+# (field, struct format) in the exact order of `struct AttnParams` in kernels/common/params.cuh.
+# Q = pointer, q = int64, i = int32, f = float32. tests/test_jit.py checks every offset against NVRTC.
+PARAM_FIELDS: tuple[tuple[str, str], ...] = (
+    ("q", "Q"), ("k", "Q"), ("v", "Q"), ("o", "Q"), ("lse", "Q"), ("scores", "Q"),
+    ("cu_seqlens_q", "Q"), ("cu_seqlens_k", "Q"), ("alibi_slopes", "Q"),
+    ("q_batch_stride", "q"), ("q_row_stride", "q"), ("q_head_stride", "q"),
+    ("k_batch_stride", "q"), ("k_row_stride", "q"), ("k_head_stride", "q"),
+    ("v_batch_stride", "q"), ("v_row_stride", "q"), ("v_head_stride", "q"),
+    ("o_batch_stride", "q"), ("o_row_stride", "q"), ("o_head_stride", "q"),
+    ("lse_batch_stride", "q"), ("lse_head_stride", "q"),
+    ("alibi_batch_stride", "q"),
+    ("batch", "i"), ("heads_q", "i"), ("heads_kv", "i"), ("group", "i"),
+    ("seqlen_q", "i"), ("seqlen_k", "i"),
+    ("head_dim", "i"), ("head_dim_v", "i"),
+    ("softmax_scale", "f"), ("scale_log2", "f"), ("softcap", "f"),
+    ("window_left", "i"), ("window_right", "i"),
+)
+# '@' = native alignment, as the C compiler lays the struct out; '0Q' pads the end to 8 bytes like C does.
+PARAMS_STRUCT = struct.Struct("@" + "".join(fmt for _, fmt in PARAM_FIELDS) + "0Q")
+_FIELD_INDEX = {name: i for i, (name, _) in enumerate(PARAM_FIELDS)}
+
+
+def pack_params(**values) -> bytes:
+    """Pack the params struct; fields not given are zero (null pointers, unused sizes)."""
+    row = [0] * len(PARAM_FIELDS)
+    for name, value in values.items():
+        row[_FIELD_INDEX[name]] = value
+    return PARAMS_STRUCT.pack(*row)
+
+
+@dataclass
+class LoadedKernel:
+    function: object          # driver.CUfunction bound to the device's primary context
+    device: int
+    max_dynamic_smem: int = 0  # the largest dynamic shared memory this function is cleared to use
+
+
+@dataclass
+class LoadedModule:
+    code: object                        # cuda.core ObjectCode: owns the loaded library
+    kernels: dict[str, LoadedKernel]
+
+
+_loaded: dict[tuple[KernelSpec, int], LoadedModule] = {}
+
+
+def _check(result, what: str):
+    from cuda.bindings import driver
+
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, msg = driver.cuGetErrorString(err)
+        raise RuntimeError(f"{what} failed: {err.name} ({msg.decode() if msg else ''})")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def load(spec: KernelSpec, device: int) -> LoadedModule:
+    """Compile (or fetch from the cache) and load `spec` on a CUDA device."""
+    key = (spec, device)
+    if key in _loaded:
+        return _loaded[key]
+    from cuda.bindings import driver
+    from cuda.core import Device, ObjectCode
+
+    module = jit.compile_spec(spec)
+    Device(device).set_current()  # the primary context, shared with torch
+    code = ObjectCode.from_cubin(module.cubin, name=spec.name)
+    kernels = {}
+    for entry in spec.entries:
+        handle = code.get_kernel(entry).handle
+        if not isinstance(handle, driver.CUfunction):  # a library kernel: take its function in this context
+            handle = _check(driver.cuKernelGetFunction(handle), f"cuKernelGetFunction({entry})")
+        kernels[entry] = LoadedKernel(handle, device)
+    loaded = _loaded[key] = LoadedModule(code, kernels)
+    return loaded
+
+
+def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int, params: bytes) -> None:
+    """Queue `kernel<<<grid, block, smem, current stream>>>(params)`."""
+    from cuda.bindings import driver
+
+    if smem > kernel.max_dynamic_smem:
+        _check(driver.cuFuncSetAttribute(
+            kernel.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+            "setting the dynamic shared-memory limit")
+        kernel.max_dynamic_smem = smem
+    buffer = ctypes.create_string_buffer(params, len(params))
+    argv = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+    stream = torch.cuda.current_stream(kernel.device).cuda_stream
+    _check(driver.cuLaunchKernel(kernel.function, *grid, block, 1, 1, smem, driver.CUstream(stream),
+                                 ctypes.addressof(argv), 0), "cuLaunchKernel")

@@ -1,0 +1,166 @@
+"""Exact attention in plain PyTorch: the fp64 reference, and the chunked online-softmax CPU path.
+
+Both follow one definition (also kernels/common/params.cuh and mask.cuh). For query i and key j of a
+(batch, head) problem with seqlen_q queries and seqlen_k keys:
+
+    s_ij = scale * q_i . k_j
+    s_ij = softcap * tanh(s_ij / softcap)                     if softcap > 0
+    s_ij = s_ij - slope_h * |i + seqlen_k - seqlen_q - j|     if ALiBi slopes are given
+    j visible  iff  i + off - left <= j <= i + off + right,  off = seqlen_k - seqlen_q  (bottom-right aligned;
+                    a negative bound is unbounded; causal sets right = 0)
+    o_i = sum_j softmax_j(s_i) v_j,   lse_i = log sum_j exp(s_ij)  over visible j
+
+A row that sees no key has o_i = 0 and lse_i = -inf. Layout (batch, seqlen, heads, head_dim); GQA when
+heads_q is a multiple of heads_kv: query head h reads key/value head h // (heads_q // heads_kv).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+QUERY_CHUNK = 256   # rows of queries per step of the CPU path
+KEY_CHUNK = 512     # keys per step: the score block is (batch, heads, 256, 512), never seqlen x seqlen
+
+
+def effective_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
+    left, right = window_size
+    return left, (0 if causal else right)
+
+
+def visible(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,
+            left: int, right: int) -> torch.Tensor:
+    """Boolean (len(rows), len(cols)) mask of which keys each query row may see."""
+    diag = rows[:, None] + (seqlen_k - seqlen_q)
+    ok = torch.ones(len(rows), len(cols), dtype=torch.bool, device=rows.device)
+    if left >= 0:
+        ok &= cols[None, :] >= diag - left
+    if right >= 0:
+        ok &= cols[None, :] <= diag + right
+    return ok
+
+
+def _scores(q, k, rows, cols, scale, softcap, alibi_slopes, seqlen_q, seqlen_k, left, right):
+    """Scores (batch, heads_kv, group, rows, cols) with every option applied and -inf where masked."""
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        distance = (rows[:, None] + (seqlen_k - seqlen_q) - cols[None, :]).abs().to(s.dtype)
+        s = s - alibi_slopes[..., None, None] * distance
+    return s.masked_fill(~visible(rows, cols, seqlen_q, seqlen_k, left, right), float("-inf"))
+
+
+def _split_heads(q, k, v, alibi_slopes, dtype):
+    """(b, s, h, d) inputs -> (b, h_kv, group, s, d) queries and (b, h_kv, s, d) keys/values, in `dtype`."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    heads_kv = k.shape[2]
+    group = heads_q // heads_kv
+    qh = q.to(dtype).permute(0, 2, 1, 3).reshape(batch, heads_kv, group, seqlen_q, -1)
+    kh = k.to(dtype).permute(0, 2, 1, 3)
+    vh = v.to(dtype).permute(0, 2, 1, 3)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(dtype).expand(batch, heads_q).reshape(batch, heads_kv, group)
+    return qh, kh, vh, slopes
+
+
+def _merge_heads(o: torch.Tensor) -> torch.Tensor:
+    """(b, h_kv, group, s, d) -> (b, s, h_q, d)."""
+    batch, heads_kv, group, seqlen, dim = o.shape
+    return o.reshape(batch, heads_kv * group, seqlen, dim).permute(0, 2, 1, 3)
+
+
+def attention_ref(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                  alibi_slopes=None, dtype=torch.float64):
+    """Exact attention computed all at once in `dtype` (fp64 by default) on the inputs' device.
+
+    Returns ``(out, lse)``: out (batch, seqlen_q, heads_q, head_dim_v) and lse (batch, heads_q, seqlen_q),
+    both in `dtype`.
+    """
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    left, right = effective_window(causal, window_size)
+    qh, kh, vh, slopes = _split_heads(q, k, v, alibi_slopes, dtype)
+    rows = torch.arange(seqlen_q, device=q.device)
+    cols = torch.arange(seqlen_k, device=q.device)
+    s = _scores(qh, kh, rows, cols, scale, softcap, slopes, seqlen_q, seqlen_k, left, right)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows with no visible key: exp(-inf + inf) -> 0
+    o = torch.einsum("bhgqk,bhkd->bhgqd", p, vh)
+    batch, heads_q = q.shape[0], q.shape[2]
+    return _merge_heads(o), lse.reshape(batch, heads_q, seqlen_q)
+
+
+def _key_range(row0: int, row1: int, seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[int, int]:
+    """Keys [begin, end) that any query row in [row0, row1) may see (mirrors Mask in kernels/common/mask.cuh)."""
+    offset = seqlen_k - seqlen_q
+    begin = 0 if left < 0 else max(0, row0 + offset - left)
+    end = seqlen_k if right < 0 else min(seqlen_k, max(0, row1 - 1 + offset + right + 1))
+    return begin, end
+
+
+def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, query_chunk=QUERY_CHUNK, key_chunk=KEY_CHUNK):
+    """FlashAttention's algorithm in plain PyTorch: stream keys in chunks with an online softmax.
+
+    Extra memory is one (batch, heads, query_chunk, key_chunk) score block, whatever the sequence
+    length. Arithmetic is fp32 (fp64 for fp64 inputs). Returns ``(out, lse)`` with out in the input dtype
+    and lse fp32, shaped like :func:`attention_ref`'s.
+    """
+    batch, seqlen_q, heads_q, _ = q.shape
+    seqlen_k = k.shape[1]
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    left, right = effective_window(causal, window_size)
+    qh, kh, vh, slopes = _split_heads(q, k, v, alibi_slopes, acc_dtype)
+    heads_kv, group = qh.shape[1], qh.shape[2]
+    out = torch.empty(batch, heads_kv, group, seqlen_q, v.shape[-1], dtype=acc_dtype, device=q.device)
+    lse = torch.empty(batch, heads_kv, group, seqlen_q, dtype=acc_dtype, device=q.device)
+
+    for row0 in range(0, seqlen_q, query_chunk):
+        row1 = min(row0 + query_chunk, seqlen_q)
+        rows = torch.arange(row0, row1, device=q.device)
+        q_blk = qh[:, :, :, row0:row1]
+        m = torch.full((batch, heads_kv, group, row1 - row0), float("-inf"), dtype=acc_dtype, device=q.device)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(batch, heads_kv, group, row1 - row0, v.shape[-1], dtype=acc_dtype, device=q.device)
+        key_begin, key_end = _key_range(row0, row1, seqlen_q, seqlen_k, left, right)
+        for col0 in range(key_begin, key_end, key_chunk):
+            col1 = min(col0 + key_chunk, key_end)
+            cols = torch.arange(col0, col1, device=q.device)
+            s = _scores(q_blk, kh[:, :, col0:col1], rows, cols, scale, softcap, slopes,
+                        seqlen_q, seqlen_k, left, right)
+            # Online softmax: raise the running max, rescale what was accumulated under the old one.
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # nothing visible yet
+            correction = torch.exp(m - shift)
+            p = torch.exp(s - shift[..., None])
+            l = l * correction + p.sum(dim=-1)
+            acc = acc * correction[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", p, vh[:, :, col0:col1])
+            m = m_new
+        seen = l > 0
+        out[:, :, :, row0:row1] = torch.where(seen[..., None], acc / l.clamp_min(1e-38)[..., None], 0.0)
+        lse[:, :, :, row0:row1] = torch.where(seen, m + torch.log(l.clamp_min(1e-38)), float("-inf"))
+
+    return _merge_heads(out).to(q.dtype), lse.reshape(batch, heads_q, seqlen_q).float()
+
+
+def varlen_apply(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, **options):
+    """Run a dense attention function `fn` on each sequence of a packed varlen batch.
+
+    q (total_q, heads_q, d), k/v (total_k, heads_kv, d); returns out (total_q, heads_q, dv) and
+    lse (heads_q, total_q), the FlashAttention varlen layout.
+    """
+    outs, lses = [], []
+    bounds_q = cu_seqlens_q.tolist()
+    bounds_k = cu_seqlens_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        sq = slice(bounds_q[b], bounds_q[b + 1])
+        sk = slice(bounds_k[b], bounds_k[b + 1])
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        o, lse = fn(q[sq][None], k[sk][None], v[sk][None], alibi_slopes=slopes, **options)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)

@@ -1,0 +1,82 @@
+"""flashtile.attention on CPU tensors, and every kind of bad input it must refuse with a clear message."""
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.reference import attention_ref
+
+
+def qkv(batch=2, sq=33, sk=47, hq=4, hkv=2, d=32, dv=None, dtype=torch.float32):
+    g = torch.Generator().manual_seed(batch * 1000 + sq * 10 + sk)
+    return (torch.randn(batch, sq, hq, d, generator=g).to(dtype),
+            torch.randn(batch, sk, hkv, d, generator=g).to(dtype),
+            torch.randn(batch, sk, hkv, dv or d, generator=g).to(dtype))
+
+
+def test_cpu_tensors_take_the_chunked_path():
+    q, k, v = qkv(d=40, dv=24)
+    out, lse = flashtile.attention(q, k, v, causal=True, return_lse=True)
+    ref_out, ref_lse = attention_ref(q, k, v, causal=True)
+    assert out.shape == (2, 33, 4, 24) and lse.shape == (2, 4, 33)
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-5)
+
+
+def test_softmax_scale_and_plain_return():
+    q, k, v = qkv()
+    out = flashtile.attention(q, k, v, softmax_scale=0.3)
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(out.double(), attention_ref(q, k, v, softmax_scale=0.3)[0], rtol=0, atol=1e-5)
+
+
+def test_non_contiguous_but_strided_inputs():
+    q, k, v = qkv()
+    q2 = torch.randn(2, 4, 33, 32).transpose(1, 2)  # (b, s, h, d) view of a (b, h, s, d) tensor
+    out = flashtile.attention(q2, k, v)
+    torch.testing.assert_close(out.double(), attention_ref(q2, k, v)[0], rtol=0, atol=1e-5)
+
+
+BAD = [
+    # (description, mutate(q, k, v, kwargs) -> (q, k, v, kwargs), exception, words in the message)
+    ("q not a tensor", lambda q, k, v, kw: (q.tolist(), k, v, kw), TypeError, ["q", "torch.Tensor"]),
+    ("integer dtype", lambda q, k, v, kw: (q.int(), k, v, kw), TypeError, ["q", "float16"]),
+    ("float64", lambda q, k, v, kw: (q.double(), k.double(), v.double(), kw), TypeError, ["q", "float64"]),
+    ("mixed dtypes", lambda q, k, v, kw: (q, k.half(), v, kw), TypeError, ["dtype"]),
+    ("rank 3 q", lambda q, k, v, kw: (q[0], k, v, kw), ValueError, ["q", "4 dimensions"]),
+    ("rank 5 k", lambda q, k, v, kw: (q, k[None], v, kw), ValueError, ["k", "4 dimensions"]),
+    ("batch mismatch", lambda q, k, v, kw: (q, k[:1], v[:1], kw), ValueError, ["batch"]),
+    ("k/v seqlen mismatch", lambda q, k, v, kw: (q, k, v[:, :5], kw), ValueError, ["seqlen"]),
+    ("k/v heads mismatch", lambda q, k, v, kw: (q, k, v[:, :, :1], kw), ValueError, ["heads"]),
+    ("heads not a multiple", lambda q, k, v, kw: (q[:, :, :3], k, v, kw), ValueError, ["multiple"]),
+    ("head_dim mismatch", lambda q, k, v, kw: (q, k[..., :16], v, kw), ValueError, ["head_dim"]),
+    ("head_dim too large", lambda q, k, v, kw: (*[torch.randn(*t.shape[:3], 264) for t in (q, k, v)], kw),
+     ValueError, ["head_dim", "256"]),
+    ("last dim strided", lambda q, k, v, kw: (q[..., ::2], k[..., ::2], v, kw), ValueError, ["q", "contiguous"]),
+    ("empty", lambda q, k, v, kw: (q[:, :0], k, v, kw), ValueError, ["q", "empty"]),
+    ("unknown rung", lambda q, k, v, kw: (q, k, v, {**kw, "rung": "warp-speed"}), ValueError, ["rung", "naive"]),
+    ("rung number out of range", lambda q, k, v, kw: (q, k, v, {**kw, "rung": 99}), ValueError, ["rung"]),
+    ("GPU rung on CPU", lambda q, k, v, kw: (q, k, v, {**kw, "rung": "tiled"}), ValueError, ["rung", "CPU"]),
+    ("bad scale", lambda q, k, v, kw: (q, k, v, {**kw, "softmax_scale": float("nan")}), ValueError, ["softmax_scale"]),
+    ("bad window", lambda q, k, v, kw: (q, k, v, {**kw, "window_size": (-2, 3)}), ValueError, ["window_size"]),
+    ("window not a pair", lambda q, k, v, kw: (q, k, v, {**kw, "window_size": 5}), ValueError, ["window_size"]),
+    ("negative softcap", lambda q, k, v, kw: (q, k, v, {**kw, "softcap": -1.0}), ValueError, ["softcap"]),
+    ("alibi wrong shape", lambda q, k, v, kw: (q, k, v, {**kw, "alibi_slopes": torch.rand(3)}), ValueError, ["alibi_slopes"]),
+    ("alibi wrong dtype", lambda q, k, v, kw: (q, k, v, {**kw, "alibi_slopes": torch.rand(4).half()}), TypeError, ["alibi_slopes"]),
+]
+
+
+@pytest.mark.parametrize("name,mutate,exc,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_refused_clearly(name, mutate, exc, words):
+    q, k, v = qkv()
+    q, k, v, kwargs = mutate(q, k, v, {})
+    with pytest.raises(exc) as info:
+        flashtile.attention(q, k, v, **kwargs)
+    for word in words:
+        assert word in str(info.value), f"{name}: {word!r} not in {info.value}"
+
+
+def test_mixed_devices_are_refused():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="one device"):
+        flashtile.attention(q, k.to("meta"), v)

@@ -1,0 +1,109 @@
+"""Run-time compilation: the params struct layout, the disk cache, locking, corruption, errors."""
+
+import multiprocessing
+import struct
+
+import pytest
+
+from flashtile import jit, launch, specs
+
+SPEC = specs.tiled_spec("bf16", 64, "sm_80")
+
+
+def test_params_struct_matches_the_cuda_layout(tmp_path, monkeypatch):
+    """NVRTC checks every field offset and the size that launch.py packs against params.cuh."""
+    fmts = [fmt for _, fmt in launch.PARAM_FIELDS]
+    asserts = []
+    for i, (name, fmt) in enumerate(launch.PARAM_FIELDS):
+        offset = struct.calcsize("@" + "".join(fmts[:i]) + "0" + fmt)
+        asserts.append(f"static_assert(__builtin_offsetof(AttnParams, {name}) == {offset}, \"{name}\");")
+    asserts.append(f"static_assert(sizeof(AttnParams) == {launch.PARAMS_STRUCT.size}, \"size\");")
+    (tmp_path / "common").mkdir()
+    for header in ("params.cuh", "numeric.cuh"):
+        (tmp_path / "common" / header).write_text((jit.KERNEL_ROOT / "common" / header).read_text())
+    (tmp_path / "layout.cu").write_text('#include "common/params.cuh"\n' + "\n".join(asserts)
+                                        + '\nextern "C" __global__ void layout_probe(AttnParams p) {}\n')
+    monkeypatch.setattr(jit, "KERNEL_ROOT", tmp_path)
+    monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(tmp_path / "cache"))
+    jit.compile_spec(specs.KernelSpec("layout.cu", ("layout_probe",), "f32", "sm_80"), use_cache=False)
+
+
+def test_pack_params_round_trips():
+    packed = launch.pack_params(q=0x1000, seqlen_q=17, softcap=2.5, window_left=-1)
+    values = dict(zip((n for n, _ in launch.PARAM_FIELDS), launch.PARAMS_STRUCT.unpack(packed)))
+    assert values["q"] == 0x1000 and values["seqlen_q"] == 17 and values["softcap"] == 2.5
+    assert values["window_left"] == -1 and values["k"] == 0
+
+
+def test_compile_error_carries_log_and_spec(tmp_path, monkeypatch, cache_dir):
+    (tmp_path / "broken.cu").write_text('extern "C" __global__ void broken() { int x = undefined_name; }\n')
+    monkeypatch.setattr(jit, "KERNEL_ROOT", tmp_path)
+    spec = specs.KernelSpec("broken.cu", ("broken",), "f32", "sm_80")
+    with pytest.raises(jit.CompileError) as info:
+        jit.compile_spec(spec)
+    assert info.value.spec == spec
+    assert "undefined_name" in info.value.log and "broken.cu" in str(info.value)
+
+
+def test_cache_round_trip_and_readable_names(cache_dir):
+    first = jit.compile_spec(SPEC)
+    assert first.origin == "nvrtc"
+    names = sorted(p.name for p in cache_dir.iterdir())
+    assert any(n.startswith(SPEC.name) and n.endswith(".cubin") for n in names), names
+    assert jit.compile_spec(SPEC) is first  # in-process memo
+    jit.clear_memo()
+    second = jit.compile_spec(SPEC)
+    assert second.origin == "disk" and second.cubin == first.cubin and second.resources == first.resources
+
+
+def test_resources_are_readable():
+    res = jit.compile_spec(SPEC).resources["tiled_fwd"]
+    assert 0 < res.registers <= 255 and res.spill_stores == 0 and res.barriers >= 1
+
+
+def test_cache_key_covers_arch_defines_and_headers(monkeypatch):
+    keys = {jit.cache_key(SPEC), jit.cache_key(specs.tiled_spec("bf16", 64, "sm_90a")),
+            jit.cache_key(specs.tiled_spec("bf16", 128, "sm_80")), jit.cache_key(specs.tiled_spec("f16", 64, "sm_80"))}
+    assert len(keys) == 4
+    closure = jit.source_closure(SPEC.source)
+    assert {"ladder/r2_tiled.cu", "common/params.cuh", "common/numeric.cuh", "common/mask.cuh"} <= set(closure)
+    original = jit.source_closure
+    monkeypatch.setattr(jit, "source_closure", lambda src: {**original(src), "common/mask.cuh": "changed"})
+    assert jit.cache_key(SPEC) not in keys
+
+
+@pytest.mark.parametrize("victim", ["cubin", "json"])
+def test_corrupt_or_truncated_entry_is_rebuilt(cache_dir, victim):
+    good = jit.compile_spec(SPEC)
+    path = next(p for p in cache_dir.iterdir() if p.suffix == "." + victim)
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])  # truncated mid-write
+    jit.clear_memo()
+    rebuilt = jit.compile_spec(SPEC)
+    assert rebuilt.origin == "nvrtc" and rebuilt.cubin == good.cubin
+    jit.clear_memo()
+    assert jit.compile_spec(SPEC).origin == "disk"  # and the entry is whole again
+
+
+def _compile_in_child(cache: str, start, results) -> None:
+    import os
+
+    os.environ["FLASHTILE_CACHE_DIR"] = cache
+    from flashtile import jit as child_jit
+
+    start.wait()
+    results.put(child_jit.compile_spec(SPEC).origin)
+
+
+def test_two_processes_compile_one_spec_once(cache_dir):
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Event(), ctx.Queue()
+    children = [ctx.Process(target=_compile_in_child, args=(str(cache_dir), start, results)) for _ in range(2)]
+    for child in children:
+        child.start()
+    start.set()
+    origins = sorted(results.get(timeout=120) for _ in children)
+    for child in children:
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    assert origins == ["disk", "nvrtc"]
+    assert len([p for p in cache_dir.iterdir() if p.suffix == ".cubin"]) == 1
