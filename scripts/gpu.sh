@@ -19,17 +19,24 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=cs
 python3 -m flashtile info 2>&1 | tail -n 12
 step compile compile.log python3 -m flashtile compile
 if [ "$MODE" = full ]; then
-    step tests pytest.log python3 -m pytest -q -x -p no:cacheprovider tests
+    step tests pytest.log python3 -m pytest -q -p no:cacheprovider tests
 else
-    step tests pytest.log python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py
+    step tests pytest.log python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_forward_features_gpu.py
 fi
 if [ "$MODE" = full ]; then
     step memcheck sanitizer.log compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize.py
-    step racecheck racecheck.log compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize.py
+    step racecheck racecheck.log compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize.py 2
 fi
 step check check.log python3 -m flashtile check
 step bench bench.log python3 -m flashtile bench ladder --shape 4,16,4096,64 --dtype bf16 --out "$OUT/docs"
-grep -E "FAIL|Error|error" "$OUT/pytest.log" | head -n 20
+if [ "$MODE" = tune ]; then step tune tune.log python3 scripts/tune_fwd.py; cat "$OUT/tune.log"; fi
+step overhead overhead.log python3 scripts/overhead.py
+grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest.log" | cut -c1-300 | head -n 30
+tail -n 3 "$OUT/pytest.log"
+head -n 12 "$OUT/overhead.log"
 tail -n 25 "$OUT/bench.log"
+# At most 8 files come back from the GPU machine: fold the logs into one.
+for log in "$OUT"/*.log; do echo "===== $(basename "$log")"; cat "$log"; done >"$OUT/logs.txt"
+rm -f "$OUT"/*.log
 echo "==== summary ($MODE) ===="
 printf '%s\n' "${summary[@]}"

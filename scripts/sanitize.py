@@ -1,11 +1,14 @@
-"""One small call of every rung, for compute-sanitizer (memcheck / racecheck) on the GPU machine."""
+"""Small calls of every rung and every forward feature, for compute-sanitizer (memcheck / racecheck)."""
+
+import sys
 
 import torch
 
 import flashtile
 from flashtile import ladder
 
-for rung in ladder.RUNGS:
+first_rung = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+for rung in ladder.RUNGS[first_rung:]:
     for dtype in (torch.bfloat16, torch.float32):
         if dtype not in rung.dtypes:
             continue
@@ -13,5 +16,14 @@ for rung in ladder.RUNGS:
             q = torch.randn(2, sq, 4, d, device="cuda", dtype=dtype)
             k = torch.randn(2, sk, 2, d, device="cuda", dtype=dtype)
             flashtile.attention(q, k, k, causal=causal, return_lse=True, rung=rung.name)
+for d, dv in ((96, 96), (192, 128), (256, 256)):
+    q = torch.randn(1, 70, 4, d, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 90, 4, d, device="cuda", dtype=torch.float16)
+    v = torch.randn(1, 90, 4, dv, device="cuda", dtype=torch.float16)
+    flashtile.attention(q, k, v, window_size=(20, 3), softcap=5.0, alibi_slopes=torch.rand(4, device="cuda"),
+                        return_lse=True)
+cu = torch.tensor([0, 5, 5, 80], dtype=torch.int32, device="cuda")
+qv = torch.randn(80, 4, 128, device="cuda", dtype=torch.bfloat16)
+flashtile.varlen_attention(qv, qv, qv, cu, cu, 75, 75, causal=True, return_lse=True)
 torch.cuda.synchronize()
 print("sanitize: every rung ran")

@@ -82,8 +82,10 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """Make 16-byte vector loads legal: head dim a multiple of 8 (zero padding), aligned base and strides."""
     if t.shape[-1] % HEAD_DIM_MULTIPLE:
         return F.pad(t, (0, -t.shape[-1] % HEAD_DIM_MULTIPLE))  # a fresh, contiguous, aligned tensor
-    elem = t.element_size()
-    if t.data_ptr() % ALIGN_BYTES or any(s * elem % ALIGN_BYTES for s in t.stride()[:-1]):
+    misaligned = t.data_ptr()
+    for stride in t.stride()[:-1]:
+        misaligned |= stride * t.element_size()
+    if misaligned % ALIGN_BYTES:
         return t.clone(memory_format=torch.contiguous_format)
     return t
 
@@ -92,10 +94,13 @@ def _cuda_forward(problem: FwdProblem, rung):
     """Pad/align the operands, run the chosen rung, cut the padding off the output."""
     head_dim_v = problem.head_dim_v
     problem.q, problem.k, problem.v = _kernel_ready(problem.q), _kernel_ready(problem.k), _kernel_ready(problem.v)
-    chosen = ladder.best_for(problem) if rung == "auto" else ladder.get(rung)
-    why_not = chosen.unsupported(problem)
-    if why_not:
-        raise ValueError(why_not)
+    if rung == "auto":
+        chosen = ladder.best_for(problem)
+    else:
+        chosen = ladder.get(rung)
+        why_not = chosen.unsupported(problem)
+        if why_not:
+            raise ValueError(why_not)
     o, lse = chosen.run(problem)
     return (o[..., :head_dim_v] if o.shape[-1] != head_dim_v else o), lse
 
@@ -138,6 +143,69 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     elif q.device.type == "cuda":
         problem = FwdProblem(q, k, v, scale, reference.effective_window(causal, window), float(softcap),
                              alibi_slopes, want_lse=return_lse)
+        o, lse = _cuda_forward(problem, rung)
+    else:
+        raise ValueError(f"q, k and v must be CPU or CUDA tensors, got device {q.device}")
+    return (o, lse) if return_lse else o
+
+
+def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> int:
+    """Validate one cu_seqlens tensor; returns the batch size."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets, got {cu.dtype} {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {cu.device}")
+    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 1:
+        raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return cu.numel() - 1  # values cannot be read during graph capture; the caller vouches for them
+    values = cu.tolist()
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if values[0] != 0 or values[-1] != total or min(lengths) < 0:
+        raise ValueError(f"{name} must rise from 0 to the packed length {total}, got {values[:8]}...")
+    if max(lengths) > max_seqlen:
+        raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
+    return cu.numel() - 1
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                     return_lse=False, rung="auto"):
+    """Exact attention over a batch of sequences of different lengths, packed without padding.
+
+    Args:
+        q: (total_q, heads_q, head_dim); k: (total_k, heads_kv, head_dim); v: (total_k, heads_kv, head_dim_v).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets: sequence b is rows cu[b]:cu[b+1].
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints).
+        Other options as in :func:`attention`; alibi_slopes may be (heads_q,) or (batch, heads_q).
+    Returns:
+        out (total_q, heads_q, head_dim_v), and lse (heads_q, total_q) fp32 if ``return_lse``.
+    """
+    _check_tensor("q", q, 3, "(total_q, heads_q, head_dim)")
+    _check_tensor("k", k, 3, "(total_k, heads_kv, head_dim)")
+    _check_tensor("v", v, 3, "(total_k, heads_kv, head_dim_v)")
+    _check_family(q, k, v)
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"k and v must have the same number of packed rows, got {k.shape[0]} and {v.shape[0]}")
+    batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
+    if _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k", q.device) != batch:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {cu_seqlens_q.numel()} "
+                         f"and {cu_seqlens_k.numel()} offsets")
+    scale, window = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch)
+    if rung != "auto":
+        ladder.get(rung)
+    options = dict(causal=causal, softmax_scale=scale, window_size=window, softcap=softcap)
+    if q.device.type == "cpu":
+        if rung != "auto":
+            raise ValueError(f"rung={rung!r} runs CUDA kernels; CPU tensors take the chunked path (rung='auto')")
+        o, lse = reference.varlen_apply(reference.attention_chunked, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                        alibi_slopes=alibi_slopes, **options)
+    elif q.device.type == "cuda":
+        problem = FwdProblem(q, k, v, scale, reference.effective_window(causal, window), float(softcap),
+                             alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             want_lse=return_lse)
         o, lse = _cuda_forward(problem, rung)
     else:
         raise ValueError(f"q, k and v must be CPU or CUDA tensors, got device {q.device}")

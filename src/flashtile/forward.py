@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .launch import pack_params
+from .launch import PARAMS_STRUCT
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2E)
 
@@ -91,23 +91,22 @@ class FwdProblem:
             qs, ks, vs, os_ = q.stride()[:3], k.stride()[:3], v.stride()[:3], o.stride()[:3]
             lse_strides = lse.stride()[:2] if lse is not None else (0, 0)
         slopes = self.alibi_slopes
-        return pack_params(
-            q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=o.data_ptr(),
-            lse=lse.data_ptr() if lse is not None else 0,
-            scores=scores.data_ptr() if scores is not None else 0,
-            cu_seqlens_q=self.cu_seqlens_q.data_ptr() if self.varlen else 0,
-            cu_seqlens_k=self.cu_seqlens_k.data_ptr() if self.varlen else 0,
-            alibi_slopes=slopes.data_ptr() if slopes is not None else 0,
-            q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
-            k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
-            v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
-            o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
-            lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1],
-            alibi_batch_stride=slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
-            batch=self.batch, heads_q=self.heads_q, heads_kv=self.heads_kv, group=self.heads_q // self.heads_kv,
-            seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, head_dim=self.head_dim, head_dim_v=self.head_dim_v,
-            softmax_scale=self.scale, scale_log2=self.scale * LOG2E, softcap=self.softcap,
-            window_left=self.window[0], window_right=self.window[1],
+        varlen = self.varlen
+        # Positional, in the order of struct AttnParams (hot path: ~0.5 us instead of ~4 us with keywords;
+        # tests/test_forward.py checks every field by name).
+        return PARAMS_STRUCT.pack(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+            lse.data_ptr() if lse is not None else 0,
+            scores.data_ptr() if scores is not None else 0,
+            self.cu_seqlens_q.data_ptr() if varlen else 0,
+            self.cu_seqlens_k.data_ptr() if varlen else 0,
+            slopes.data_ptr() if slopes is not None else 0,
+            *qs, *ks, *vs, *os_, *lse_strides,
+            slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
+            self.batch, self.heads_q, self.heads_kv, self.heads_q // self.heads_kv,
+            self.seqlen_q, self.seqlen_k, self.head_dim, self.head_dim_v,
+            self.scale, self.scale * LOG2E, self.softcap,
+            self.window[0], self.window[1],
         )
 
 

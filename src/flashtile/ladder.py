@@ -7,6 +7,7 @@ against the reference, ``flashtile bench ladder`` times them side by side, docs/
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +22,9 @@ WARPS_FUSED = 4          # r1_fused.cu kWarpsPerBlock: query rows per block
 THREADS_FUSED = WARPS_FUSED * 32
 BLOCK_M_TILED = 64       # r2_tiled.cu kBlockM
 THREADS_TILED = 256
+BLOCK_M_MMA = 64         # r3_mma.cu kBlockM = 4 warps x 16 rows
+THREADS_MMA = 128
+WARP = 32
 
 
 @dataclass(frozen=True)
@@ -30,9 +34,9 @@ class Rung:
     summary: str
     dtypes: tuple[torch.dtype, ...]
     max_head_dim: int
-    features: frozenset[str]            # options beyond plain attention: "causal", "window", "gqa", ...
-    specs: Callable[[str, int, str], list[specs.KernelSpec]]   # (dtype, head_dim, arch) -> specs
-    run: Callable[[FwdProblem], tuple[torch.Tensor, torch.Tensor | None]]
+    features: frozenset[str]            # options beyond plain attention: "window", "varlen", "softcap", "alibi"
+    spec_for: Callable[[FwdProblem, str], specs.KernelSpec]   # (problem, arch) -> the spec that serves it
+    launch: Callable[[FwdProblem, launch.LoadedModule], tuple[torch.Tensor, torch.Tensor | None]]
     min_capability: tuple[int, int] = (7, 5)
 
     def unsupported(self, problem: FwdProblem) -> str | None:
@@ -46,17 +50,44 @@ class Rung:
                               ("varlen", problem.varlen)):
             if used and feature not in self.features:
                 return f"rung {self.name!r} does not support {feature}"
+        if device_capability(problem.q.device.index) < self.min_capability:
+            return f"rung {self.name!r} needs compute capability {self.min_capability} or newer"
         return None
 
-
-def _arch_and_device(problem: FwdProblem) -> tuple[str, int]:
-    device = problem.q.device.index if problem.q.device.index is not None else torch.cuda.current_device()
-    return specs.arch_of(torch.cuda.get_device_capability(device)), device
+    def run(self, problem: FwdProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.launch(problem, module_for(self, problem))
 
 
-def _run_naive(problem: FwdProblem):
-    arch, device = _arch_and_device(problem)
-    kernels = launch.load(specs.naive_spec(specs.DTYPES[problem.q.dtype], arch), device).kernels
+@functools.cache
+def device_capability(device: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+_modules: dict[tuple, launch.LoadedModule] = {}
+
+
+def module_for(rung: Rung, problem: FwdProblem) -> launch.LoadedModule:
+    """The loaded kernels of `rung` for this problem on its device (memoised: this is the hot path)."""
+    device = problem.q.device.index
+    key = (rung.number, problem.q.dtype, problem.head_dim, problem.head_dim_v, problem.softcap > 0,
+           problem.alibi_slopes is not None, device)
+    module = _modules.get(key)
+    if module is None:
+        spec = rung.spec_for(problem, specs.arch_of(device_capability(device)))
+        module = _modules[key] = launch.load(spec, device)
+    return module
+
+
+def _dims(problem: FwdProblem) -> int:
+    return max(problem.head_dim, problem.head_dim_v)
+
+
+def _dtype(problem: FwdProblem) -> str:
+    return specs.DTYPES[problem.q.dtype]
+
+
+def _launch_naive(problem: FwdProblem, module: launch.LoadedModule):
+    kernels = module.kernels
     o, lse = problem.empty_outputs()
     n_rows = problem.batch * problem.heads_q * problem.seqlen_q
     scores = torch.empty(n_rows * problem.seqlen_k, dtype=torch.float32, device=problem.q.device)
@@ -71,39 +102,47 @@ def _run_naive(problem: FwdProblem):
     return o, lse
 
 
-def _run_fused(problem: FwdProblem):
-    arch, device = _arch_and_device(problem)
-    dim = max(problem.head_dim, problem.head_dim_v)
-    kernel = launch.load(specs.fused_spec(specs.DTYPES[problem.q.dtype], dim, arch), device).kernels["fused_fwd"]
-    o, lse = problem.empty_outputs()
-    grid = (-(-problem.seqlen_q // WARPS_FUSED), problem.heads_q, problem.batch)
-    launch.launch(kernel, grid, THREADS_FUSED, 0, problem.params(o, lse))
-    return o, lse
+def _one_kernel(entry: str, block_m: int, threads: int):
+    """Launch for the rungs that are one kernel over a (query blocks, heads, batch) grid."""
+    def launch_it(problem: FwdProblem, module: launch.LoadedModule):
+        o, lse = problem.empty_outputs()
+        grid = (-(-problem.seqlen_q // block_m), problem.heads_q, problem.batch)
+        launch.launch(module.kernels[entry], grid, threads, module.spec.smem_bytes, problem.params(o, lse))
+        return o, lse
+    return launch_it
 
 
-def _run_tiled(problem: FwdProblem):
-    arch, device = _arch_and_device(problem)
-    dim = max(problem.head_dim, problem.head_dim_v)
-    spec = specs.tiled_spec(specs.DTYPES[problem.q.dtype], dim, arch)
-    kernel = launch.load(spec, device).kernels["tiled_fwd"]
-    o, lse = problem.empty_outputs()
-    grid = (-(-problem.seqlen_q // BLOCK_M_TILED), problem.heads_q, problem.batch)
-    launch.launch(kernel, grid, THREADS_TILED, specs.tiled_smem_bytes(spec), problem.params(o, lse))
-    return o, lse
+def _launch_pipelined(problem: FwdProblem, module: launch.LoadedModule):
+    defines = dict(module.spec.defines)
+    return _one_kernel("attn_fwd", defines["FT_BLOCK_M"], defines["FT_WARPS"] * WARP)(problem, module)
 
 
 _CUDA_CORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_BASIC = frozenset({"causal", "window", "gqa"})
+_TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
+_BASIC = frozenset({"window"})
+_ALL = frozenset({"window", "varlen", "softcap", "alibi"})
+_AMPERE = (8, 0)
 
 RUNGS: tuple[Rung, ...] = (
     Rung(0, "naive", "S = QK^T in global memory, softmax in place, O = PV: three kernels",
-         _CUDA_CORE_DTYPES, 256, _BASIC, lambda dt, d, arch: [specs.naive_spec(dt, arch)], _run_naive),
+         _CUDA_CORE_DTYPES, 256, _BASIC, lambda pr, arch: specs.naive_spec(_dtype(pr), arch), _launch_naive),
     Rung(1, "fused", "one kernel, online softmax, one warp per query row",
          _CUDA_CORE_DTYPES, max(specs.FUSED_HEAD_DIMS), _BASIC | {"varlen"},
-         lambda dt, d, arch: [specs.fused_spec(dt, d, arch)], _run_fused),
+         lambda pr, arch: specs.fused_spec(_dtype(pr), _dims(pr), arch),
+         _one_kernel("fused_fwd", WARPS_FUSED, THREADS_FUSED)),
     Rung(2, "tiled", "Q/K/V tiles in shared memory, fp32 on CUDA cores",
          _CUDA_CORE_DTYPES, specs.TILED_MAX_HEAD_DIM, _BASIC | {"varlen"},
-         lambda dt, d, arch: [specs.tiled_spec(dt, d, arch)], _run_tiled),
+         lambda pr, arch: specs.tiled_spec(_dtype(pr), _dims(pr), arch),
+         _one_kernel("tiled_fwd", BLOCK_M_TILED, THREADS_TILED)),
+    Rung(3, "mma", "tensor cores (mma.sync), FlashAttention-2 work split, synchronous loads",
+         _TENSOR_CORE_DTYPES, max(specs.MMA_HEAD_DIMS), _BASIC | {"varlen"},
+         lambda pr, arch: specs.mma_spec(_dtype(pr), _dims(pr), arch),
+         _one_kernel("mma_fwd", BLOCK_M_MMA, THREADS_MMA), _AMPERE),
+    Rung(4, "pipelined", "cp.async pipeline, swizzled smem, exp2 softmax, every forward feature",
+         _TENSOR_CORE_DTYPES, max(specs.FWD_HEAD_DIMS), _ALL,
+         lambda pr, arch: specs.fwd_spec(_dtype(pr), pr.head_dim, pr.head_dim_v, arch,
+                                         softcap=pr.softcap > 0, alibi=pr.alibi_slopes is not None),
+         _launch_pipelined, _AMPERE),
 )
 BY_NAME = {r.name: r for r in RUNGS}
 
@@ -119,8 +158,10 @@ def get(rung: str | int) -> Rung:
 
 def best_for(problem: FwdProblem) -> Rung:
     """The fastest rung that serves `problem` on its device (the 'auto' choice)."""
-    capability = torch.cuda.get_device_capability(problem.q.device)
+    reasons = []
     for r in reversed(RUNGS):
-        if capability >= r.min_capability and r.unsupported(problem) is None:
+        why_not = r.unsupported(problem)
+        if why_not is None:
             return r
-    raise ValueError(RUNGS[-1].unsupported(problem))
+        reasons.append(why_not)
+    raise ValueError("no kernel serves these inputs: " + "; ".join(reasons))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections import namedtuple
 from dataclasses import dataclass
 
 import torch
@@ -37,15 +38,12 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
 )
 # '@' = native alignment, as the C compiler lays the struct out; '0Q' pads the end to 8 bytes like C does.
 PARAMS_STRUCT = struct.Struct("@" + "".join(fmt for _, fmt in PARAM_FIELDS) + "0Q")
-_FIELD_INDEX = {name: i for i, (name, _) in enumerate(PARAM_FIELDS)}
+_ParamValues = namedtuple("_ParamValues", [name for name, _ in PARAM_FIELDS], defaults=[0] * len(PARAM_FIELDS))
 
 
 def pack_params(**values) -> bytes:
     """Pack the params struct; fields not given are zero (null pointers, unused sizes)."""
-    row = [0] * len(PARAM_FIELDS)
-    for name, value in values.items():
-        row[_FIELD_INDEX[name]] = value
-    return PARAMS_STRUCT.pack(*row)
+    return PARAMS_STRUCT.pack(*_ParamValues(**values))
 
 
 @dataclass
@@ -57,6 +55,7 @@ class LoadedKernel:
 
 @dataclass
 class LoadedModule:
+    spec: KernelSpec
     code: object                        # cuda.core ObjectCode: owns the loaded library
     kernels: dict[str, LoadedKernel]
 
@@ -91,7 +90,7 @@ def load(spec: KernelSpec, device: int) -> LoadedModule:
         if not isinstance(handle, driver.CUfunction):  # a library kernel: take its function in this context
             handle = _check(driver.cuKernelGetFunction(handle), f"cuKernelGetFunction({entry})")
         kernels[entry] = LoadedKernel(handle, device)
-    loaded = _loaded[key] = LoadedModule(code, kernels)
+    loaded = _loaded[key] = LoadedModule(spec, code, kernels)
     return loaded
 
 

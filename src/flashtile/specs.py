@@ -28,6 +28,7 @@ class KernelSpec:
     dtype: str                           # "f32" | "f16" | "bf16"
     arch: str                            # "sm_80", "sm_90a", ...
     defines: tuple[tuple[str, int], ...] = ()
+    smem_bytes: int = 0                  # dynamic shared memory per block (= sizeof(SharedStorage), tested)
 
     @property
     def name(self) -> str:
@@ -83,8 +84,87 @@ def fused_spec(dtype: str, head_dim: int, arch: str) -> KernelSpec:
 
 def tiled_spec(dtype: str, head_dim: int, arch: str) -> KernelSpec:
     padded = pick_padded(head_dim, TILED_BLOCK_N)
+    block_n, block_m, pad, fp32 = TILED_BLOCK_N[padded], 64, 4, 4
+    smem = ((block_m + 2 * block_n) * (padded + pad) + block_m * (block_n + pad)) * fp32
     return KernelSpec("ladder/r2_tiled.cu", ("tiled_fwd",), dtype, arch,
-                      (("FT_HEAD_DIM", padded), ("FT_BLOCK_N", TILED_BLOCK_N[padded])))
+                      (("FT_HEAD_DIM", padded), ("FT_BLOCK_N", block_n)), smem)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rungs 3-4 (tensor cores, mma.sync: sm_80 and newer). fp16 and bf16 only.
+# ---------------------------------------------------------------------------------------------------
+
+MMA_DTYPES = ("f16", "bf16")
+ELEM_BYTES = 2
+
+# Rung 3: 64 x 64 tiles, 4 warps of 16 rows; rows padded by 8 elements (16 bytes).
+MMA_HEAD_DIMS = (64, 128)
+
+
+def mma_spec(dtype: str, head_dim: int, arch: str) -> KernelSpec:
+    padded = pick_padded(head_dim, MMA_HEAD_DIMS)
+    smem = 3 * 64 * (padded + 8) * ELEM_BYTES
+    return KernelSpec("ladder/r3_mma.cu", ("mma_fwd",), dtype, arch, (("FT_HEAD_DIM", padded),), smem)
+
+
+# Rung 4: compiled head dims (q/k and v are padded separately to one of these).
+FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    min_blocks: int   # __launch_bounds__ minimum blocks per SM: caps registers at 64K / (threads * this)
+    why: str
+
+
+# Shared memory a block may use: sm_80 163 KB, sm_86/sm_89 99 KB, sm_90 227 KB (CUDA guide, table 24).
+SMEM_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90a": 232448}
+
+# The forward tile table: padded head dim -> Tile, for GPUs with >= 160 KB of shared memory per block
+# (A100, H100/H200) and for those with 99 KB (RTX 30xx/40xx). Each row says why.
+FWD_TILES_LARGE_SMEM = {
+    64: Tile(128, 64, 4, 2, 1, "2 slabs/warp: each K/V fragment feeds two mmas; 48 KB; 231 regs, no spills"),
+    96: Tile(128, 32, 4, 2, 1, "as d128; at 64 keys S+O need 160 regs and ptxas spills"),
+    128: Tile(128, 32, 4, 2, 1, "2 slabs/warp; at 64 keys (FA2's tile) S+O = 192 regs and ptxas spills ~100 B"),
+    192: Tile(128, 64, 8, 2, 1, "1 slab/warp keeps O at 96 regs; 144 KB"),
+    256: Tile(128, 64, 8, 2, 1, "O is 128 regs/thread at 1 slab/warp; 192 KB fits only Hopper's 227 KB"),
+}
+FWD_TILES_SMALL_SMEM = {
+    64: Tile(128, 64, 4, 2, 1, "48 KB"),
+    96: Tile(128, 32, 4, 2, 1, "48 KB"),
+    128: Tile(128, 32, 4, 2, 1, "64 KB"),
+    192: Tile(64, 32, 4, 2, 1, "72 KB: 128 x 64 tiles would need 144 KB, over the 99 KB limit"),
+    256: Tile(64, 32, 4, 2, 1, "96 KB"),
+}
+# sm_80 (163 KB) cannot hold d256 at block_m 128 (192 KB): halve block_m.
+FWD_TILE_SM80_D256 = Tile(64, 64, 4, 2, 1, "160 KB: block_m 128 would need 192 KB, over sm_80's 163 KB")
+# Softcap / ALiBi add per-score work and registers: the 2-slab shapes spill, one slab per warp does not.
+FWD_TILE_SCORE_MODS = Tile(128, 64, 8, 2, 1, "1 slab/warp leaves room for the score modifications")
+
+
+def fwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> Tile:
+    if score_mods and head_dim <= 128:
+        return FWD_TILE_SCORE_MODS
+    if SMEM_LIMIT.get(arch, 101376) < 160 * 1024:
+        return FWD_TILES_SMALL_SMEM[head_dim]
+    if head_dim == 256 and SMEM_LIMIT.get(arch, 0) < 192 * 1024:
+        return FWD_TILE_SM80_D256
+    return FWD_TILES_LARGE_SMEM[head_dim]
+
+
+def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,
+             alibi: bool = False) -> KernelSpec:
+    d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
+    tile = fwd_tile(max(d, dv), arch, softcap or alibi)
+    smem = (tile.block_m * max(d, dv) + tile.stages * tile.block_n * (d + dv)) * ELEM_BYTES
+    defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", tile.block_m), ("FT_BLOCK_N", tile.block_n),
+               ("FT_WARPS", tile.warps), ("FT_STAGES", tile.stages), ("FT_MIN_BLOCKS", tile.min_blocks),
+               ("FT_SOFTCAP", int(softcap)), ("FT_ALIBI", int(alibi)))
+    return KernelSpec("sm80/fwd.cu", ("attn_fwd",), dtype, arch, defines, smem)
 
 
 def all_specs(arch: str) -> list[KernelSpec]:
@@ -94,11 +174,9 @@ def all_specs(arch: str) -> list[KernelSpec]:
         specs.append(naive_spec(dtype, arch))
         specs += [fused_spec(dtype, d, arch) for d in FUSED_HEAD_DIMS]
         specs += [tiled_spec(dtype, d, arch) for d in TILED_BLOCK_N]
+    for dtype in MMA_DTYPES:
+        specs += [mma_spec(dtype, d, arch) for d in MMA_HEAD_DIMS]
+        specs += [fwd_spec(dtype, d, d, arch) for d in FWD_HEAD_DIMS]
+        specs.append(fwd_spec(dtype, 192, 128, arch))  # DeepSeek-style q/k 192, v 128
+        specs += [fwd_spec(dtype, 128, 128, arch, softcap=True), fwd_spec(dtype, 128, 128, arch, alibi=True)]
     return specs
-
-
-def tiled_smem_bytes(spec: KernelSpec) -> int:
-    """Dynamic shared memory of r2_tiled.cu's SharedStorage: fp32 Q, K, V tiles and P, rows padded by 4 floats."""
-    defines = dict(spec.defines)
-    head_dim, block_n, block_m, pad, fp32 = defines["FT_HEAD_DIM"], defines["FT_BLOCK_N"], 64, 4, 4
-    return ((block_m + 2 * block_n) * (head_dim + pad) + block_m * (block_n + pad)) * fp32

@@ -10,6 +10,7 @@ from unittest import mock
 import torch
 
 from .. import api, jit, ladder, specs
+from ..forward import FwdProblem
 from ..reference import attention_chunked
 from . import measure, peers
 
@@ -69,16 +70,16 @@ def _with_speedups(doc: dict, baseline: str) -> dict:
 
 def runtime_costs(dtype: torch.dtype) -> dict:
     """Cold NVRTC compile and disk-cache load of the top rung's spec, and host time per warm call."""
-    top = ladder.RUNGS[-1]
-    arch = specs.arch_of(torch.cuda.get_device_capability())
-    spec = top.specs(specs.DTYPES[dtype], 64, arch)[0]
+    small = [torch.randn(1, 128, 4, 64, device="cuda", dtype=dtype) for _ in range(3)]
+    problem = FwdProblem(*small, scale=0.125, window=(-1, -1))
+    top = ladder.best_for(problem)
+    spec = top.spec_for(problem, specs.arch_of(torch.cuda.get_device_capability()))
     with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {"FLASHTILE_CACHE_DIR": tmp}):
         jit.clear_memo()
         cold = jit.compile_spec(spec).seconds
         jit.clear_memo()
         cached = jit.compile_spec(spec).seconds
     jit.clear_memo()
-    small = [torch.randn(1, 128, 4, 64, device="cuda", dtype=dtype) for _ in range(3)]
     overhead = measure.host_overhead_us(lambda: api.attention(*small))
     return {"spec": spec.name, "cold_compile_s": cold, "cached_load_ms": cached * 1e3,
             "host_overhead_us": overhead, "overhead_shape": "1x128x4x64"}

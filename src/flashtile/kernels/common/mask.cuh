@@ -16,6 +16,11 @@ struct Mask {
         const int diag = i + offset;
         return j < seqlen_k && (left < 0 || j >= diag - left) && (right < 0 || j <= diag + right);
     }
+    // The keys row i sees are exactly [first_key(i), last_key(i)] — one pair of bounds per row instead of
+    // three tests per (row, key).
+    __device__ __forceinline__ int first_key(int i) const { return left < 0 ? 0 : i + offset - left; }
+    __device__ __forceinline__ int end_key(int i) const { return right < 0 ? seqlen_k : min(seqlen_k, i + offset + right + 1); }
+
     // Keys [key_begin, key_end) hold every key that any query row in [row_begin, row_end) may see.
     __device__ __forceinline__ int key_begin(int row_begin) const {
         return left < 0 ? 0 : max(0, row_begin + offset - left);

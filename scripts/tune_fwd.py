@@ -1,0 +1,55 @@
+"""Sweep rung-4 tile shapes at the standard-matrix sizes; prints TFLOP/s beside torch's flash and cuDNN.
+
+Usage (on the GPU machine): python scripts/tune_fwd.py [d ...]   — not part of the library: a lab bench
+for choosing rows of specs.FWD_TILES_*; the reasons in that table come from runs of this script.
+"""
+
+import sys
+
+import torch
+
+from flashtile import jit, launch, ladder, specs
+from flashtile.bench import measure, peers
+from flashtile.forward import FwdProblem
+from flashtile.specs import KernelSpec
+
+CANDIDATES = {  # head_dim -> [(block_m, block_n, warps, stages)]
+    64: [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2), (128, 32, 4, 3), (128, 128, 4, 2)],
+    128: [(128, 32, 4, 2), (128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2), (128, 128, 8, 2)],
+    256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)],
+}
+
+
+def spec_of(d, bm, bn, warps, stages):
+    defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", d), ("FT_BLOCK_M", bm), ("FT_BLOCK_N", bn),
+               ("FT_WARPS", warps), ("FT_STAGES", stages), ("FT_MIN_BLOCKS", 1), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0))
+    smem = (bm * d + stages * bn * 2 * d) * 2
+    return KernelSpec("sm80/fwd.cu", ("attn_fwd",), "bf16", "sm_90a", defines, smem)
+
+
+def main(dims):
+    for d in dims:
+        heads = 2048 // d
+        for seqlen in (4096, 16384):
+            batch = 16384 // seqlen
+            q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            for causal in (False, True):
+                flops = measure.attention_flops(batch, heads, seqlen, seqlen, d, causal=causal)
+                row = [f"d{d} n{seqlen} c{int(causal)}"]
+                for name in ("sdpa-flash", "sdpa-cudnn"):
+                    run = peers.sdpa_runner(name, q, k, v, causal)
+                    row.append(f"{name}={flops / measure.time_cuda(run) / 1e9:.0f}" if run else f"{name}=-")
+                for cand in CANDIDATES[d]:
+                    spec = spec_of(d, *cand)
+                    if spec.smem_bytes > specs.SMEM_LIMIT["sm_90a"]:
+                        continue
+                    res = jit.compile_spec(spec).resources["attn_fwd"]
+                    module = launch.load(spec, 0)
+                    problem = FwdProblem(q, k, v, d**-0.5, (-1, 0) if causal else (-1, -1))
+                    ms = measure.time_cuda(lambda: ladder._launch_pipelined(problem, module))
+                    row.append(f"{cand}[{res.registers}r{'/spill' if res.spill_stores else ''}]={flops / ms / 1e9:.0f}")
+                print("  ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or sorted(CANDIDATES))

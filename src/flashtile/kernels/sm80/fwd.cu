@@ -1,0 +1,238 @@
+// sm80/fwd.cu — rung 4 "pipelined": the production forward on Ampere, Ada and Hopper (mma.sync).
+//
+// Idea:     rung 3's tensor-core algorithm, with the memory system kept busy and the arithmetic lean:
+//           * K/V tiles stream through a ring of FT_STAGES shared-memory buffers with cp.async: while the
+//             tensor cores work on tile i, tiles i+1 .. i+STAGES-1 are already in flight (one barrier/tile);
+//           * shared memory is XOR-swizzled (common/tile.cuh) instead of padded: no bank conflicts, no waste;
+//           * each warp owns 16 * kSlabs rows, so every K/V fragment read from shared memory feeds kSlabs mmas;
+//           * the softmax runs in base 2 with the scale folded in: p = exp2(s * scale * log2(e) - m'), one
+//             FFMA and one MUFU.EX2 per score;
+//           * masks are evaluated only on tiles that cut the mask boundary; tiles nobody sees are skipped;
+//           * the output tile is staged in shared memory so it leaves in coalesced 16-byte stores.
+//           Features: GQA/MQA, causal and sliding window (bottom-right aligned), softcap and ALiBi (compile-
+//           time switches, so the plain path pays nothing for them), varlen, head_dim != head_dim_v, any strides.
+// Removes:  rung 3's synchronous loads (memory and math now overlap), its bank-conflict padding and its
+//           per-element mask tests on interior tiles.
+// Measured: see docs/ladder.md and docs/performance.md (H200, against torch's FlashAttention-2).
+// Wastes:   on Hopper, mma.sync reaches roughly two thirds of the tensor cores' wgmma rate, and a warp
+//           cannot overlap its softmax with its own matrix products — the Hopper rung's job.
+#include "../common/params.cuh"
+#include "../common/mask.cuh"
+#include "../common/tile.cuh"
+
+constexpr int kHeadDim = FT_HEAD_DIM;      // padded q/k head dim of this build
+constexpr int kHeadDimV = FT_HEAD_DIM_V;   // padded v head dim
+constexpr int kBlockM = FT_BLOCK_M;        // query rows per block   } specs.py FWD_TILES says why
+constexpr int kBlockN = FT_BLOCK_N;        // keys per tile          } for each head dim and arch
+constexpr int kWarps = FT_WARPS;
+constexpr int kStages = FT_STAGES;         // K/V buffers in the cp.async ring (>= 2)
+constexpr int kMinBlocksPerSM = FT_MIN_BLOCKS;
+constexpr bool kSoftcap = FT_SOFTCAP;
+constexpr bool kAlibi = FT_ALIBI;
+
+constexpr int kThreads = kWarps * kWarpSize;
+constexpr int kSlabs = kBlockM / (kWarps * kMmaM);  // 16-row slabs per warp
+constexpr int kWarpRows = kSlabs * kMmaM;
+constexpr int kScoreTiles = kBlockN / kMmaN;        // n8 score tiles per slab
+constexpr int kOutTiles = kHeadDimV / kMmaN;        // n8 output tiles per slab
+static_assert(kSlabs >= 1 && kBlockM == kWarps * kWarpRows, "BLOCK_M must be a multiple of 16 * WARPS");
+static_assert(kStages >= 2, "the ring needs at least two stages");
+
+using QTile = SwizzledTile<kBlockM, kHeadDim>;
+using OTile = SwizzledTile<kBlockM, kHeadDimV>;
+using KTile = SwizzledTile<kBlockN, kHeadDim>;
+using VTile = SwizzledTile<kBlockN, kHeadDimV>;
+
+struct SharedStorage {
+    elem_t q[QTile::kElems > OTile::kElems ? QTile::kElems : OTile::kElems];  // Q, later the output tile
+    elem_t k[kStages][KTile::kElems];
+    elem_t v[kStages][VTile::kElems];
+};
+
+template <bool B> struct Bool { static constexpr bool value = B; };
+
+extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
+attn_fwd(const __grid_constant__ AttnParams p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+    if (dynamic_smem_bytes() < sizeof(SharedStorage)) __trap();
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int g = lane / kQuad, t = lane % kQuad;
+
+    // Heaviest blocks first: under a causal mask the last query block sees the most keys.
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const Problem pr = locate_problem(p, b, h);
+    const int m0 = m_block * kBlockM;
+    if (m0 >= pr.seqlen_q) return;
+    const int m1 = min(m0 + kBlockM, pr.seqlen_q);
+    const Mask mask(p.window_left, p.window_right, pr.seqlen_q, pr.seqlen_k);
+    const int n_begin = mask.key_begin(m0) / kBlockN * kBlockN;
+    const int n_end = mask.key_end(m1);
+    const int n_tiles = n_end > n_begin ? ceil_div(n_end - n_begin, kBlockN) : 0;
+
+    const elem_t* q = static_cast<const elem_t*>(p.q) + pr.q_offset;
+    const elem_t* k = static_cast<const elem_t*>(p.k) + pr.k_offset;
+    const elem_t* v = static_cast<const elem_t*>(p.v) + pr.v_offset;
+    auto load_kv = [&](int tile, int stage) {
+        const int n0 = n_begin + tile * kBlockN;
+        KTile::load_async<kThreads>(smem.k[stage], k, p.k_row_stride, n0, pr.seqlen_k, p.head_dim);
+        VTile::load_async<kThreads>(smem.v[stage], v, p.v_row_stride, n0, pr.seqlen_k, p.head_dim_v);
+    };
+
+    // Prologue: Q, then the first STAGES-1 K/V tiles, one commit group each (empty groups keep the count).
+    QTile::load_async<kThreads>(smem.q, q, p.q_row_stride, m0, pr.seqlen_q, p.head_dim);
+    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (s < n_tiles) load_kv(s, s);
+        cp_async_commit();
+    }
+
+    // Scores enter the softmax as s * log2_factor (base 2). With softcap/ALiBi they are first turned into
+    // natural units (scale applied), otherwise the scale rides along in the factor for free.
+    constexpr bool kModScores = kSoftcap || kAlibi;
+    const float log2_factor = kModScores ? kLog2e : p.scale_log2;
+    const float slope = kAlibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
+    const float inv_softcap = kSoftcap ? 1.f / p.softcap : 0.f;
+    const int warp_row0 = warp * kWarpRows;  // first row of this warp within the tile
+    // Per-lane ldmatrix offsets (tile.cuh): Q as the A operand, K as B, V as B transposed.
+    const auto q_lane = QTile::fragment_lane(lane % 16, (lane / 16) * 8);
+    const auto k_lane = KTile::fragment_lane(lane % 8 + (lane / 16) * 8, ((lane / 8) % 2) * 8);
+    const auto v_lane = VTile::fragment_lane(lane % 8 + ((lane / 8) % 2) * 8, (lane / 16) * 8);
+
+    float o[kSlabs][kOutTiles][4] = {};
+    float row_max[kSlabs][2], row_sum[kSlabs][2];
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) { row_max[sl][half] = kNegInf; row_sum[sl][half] = 0.f; }
+
+    auto attend = [&](const elem_t* sk, const elem_t* sv, int n0, auto masked) {
+        // S = Q K^T for this warp's rows: kSlabs x 16 rows by kBlockN keys.
+        float s[kSlabs][kScoreTiles][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
+            u32 a[kSlabs][4];
+#pragma unroll
+            for (int sl = 0; sl < kSlabs; ++sl)
+                ldmatrix_x4(a[sl], smem.q + QTile::fragment_offset(q_lane, warp_row0 + sl * kMmaM, kk * kMmaK));
+#pragma unroll
+            for (int np = 0; np < kScoreTiles / 2; ++np) {
+                u32 bk[4];
+                ldmatrix_x4(bk, sk + KTile::fragment_offset(k_lane, np * 16, kk * kMmaK));
+#pragma unroll
+                for (int sl = 0; sl < kSlabs; ++sl) {
+                    mma_16816(s[sl][2 * np], a[sl], bk[0], bk[1]);
+                    mma_16816(s[sl][2 * np + 1], a[sl], bk[2], bk[3]);
+                }
+            }
+        }
+
+        // Score modifications, the mask (boundary tiles only), and the online softmax in base 2.
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = m0 + warp_row0 + sl * kMmaM + g + 8 * half;
+                // Columns relative to this lane's first: the row sees keys [lo, hi) of the tile.
+                const int col0 = n0 + 2 * t;
+                const int lo = mask.first_key(row) - col0, hi = mask.end_key(row) - col0;
+                float tile_max = kNegInf;
+#pragma unroll
+                for (int j = 0; j < kScoreTiles; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = s[sl][j][2 * half + e];
+                        const int col = j * kMmaN + e;  // + col0
+                        if constexpr (kModScores) {
+                            x *= p.softmax_scale;
+                            if constexpr (kSoftcap) x = p.softcap * fast_tanh(x * inv_softcap);
+                            if constexpr (kAlibi) x -= slope * fabsf((float)(row + mask.offset - col0 - col));
+                        }
+                        if constexpr (decltype(masked)::value) {
+                            if (col < lo || col >= hi) x = kNegInf;
+                        }
+                        tile_max = fmaxf(tile_max, x);
+                    }
+                const float m_new = fmaxf(row_max[sl][half], quad_max(tile_max));
+                const float shift = m_new == kNegInf ? 0.f : m_new * log2_factor;
+                const float correction = fast_exp2(row_max[sl][half] * log2_factor - shift);
+                row_max[sl][half] = m_new;
+                float tile_sum = 0.f;
+#pragma unroll
+                for (int j = 0; j < kScoreTiles; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = s[sl][j][2 * half + e];
+                        x = fast_exp2(x * log2_factor - shift);
+                        tile_sum += x;
+                    }
+                row_sum[sl][half] = row_sum[sl][half] * correction + tile_sum;
+#pragma unroll
+                for (int j = 0; j < kOutTiles; ++j) {
+                    o[sl][j][2 * half] *= correction;
+                    o[sl][j][2 * half + 1] *= correction;
+                }
+            }
+
+        // O += P V, P straight from the score registers.
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / kMmaK; ++kk) {
+            u32 a[kSlabs][4];
+#pragma unroll
+            for (int sl = 0; sl < kSlabs; ++sl) accumulators_to_a(a[sl], s[sl][2 * kk], s[sl][2 * kk + 1]);
+#pragma unroll
+            for (int dp = 0; dp < kOutTiles / 2; ++dp) {
+                u32 bv[4];
+                ldmatrix_x4_trans(bv, sv + VTile::fragment_offset(v_lane, kk * kMmaK, dp * 16));
+#pragma unroll
+                for (int sl = 0; sl < kSlabs; ++sl) {
+                    mma_16816(o[sl][2 * dp], a[sl], bv[0], bv[1]);
+                    mma_16816(o[sl][2 * dp + 1], a[sl], bv[2], bv[3]);
+                }
+            }
+        }
+    };
+
+    // Main loop: wait for tile `it`, refill the buffer tile it-1 used, compute on tile `it`.
+    for (int it = 0; it < n_tiles; ++it) {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // tile `it` is visible to all; every warp has finished with tile it-1's buffer
+        if (it + kStages - 1 < n_tiles) load_kv(it + kStages - 1, (it + kStages - 1) % kStages);
+        cp_async_commit();
+        const int stage = it % kStages, n0 = n_begin + it * kBlockN;
+        if (mask.tile_unmasked(m0, m1, n0, n0 + kBlockN)) attend(smem.k[stage], smem.v[stage], n0, Bool<false>());
+        else attend(smem.k[stage], smem.v[stage], n0, Bool<true>());
+    }
+    cp_async_wait<0>();  // with no visible key tile, Q may still be in flight ...
+    __syncthreads();     // ... from any thread, into rows another warp is about to overwrite with O
+
+    // Epilogue: normalise, stage this warp's rows of O over its own rows of Q, store 16 bytes at a time.
+    elem_t* out = static_cast<elem_t*>(p.o) + pr.o_offset;
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int local_row = warp_row0 + sl * kMmaM + g + 8 * half;
+            const float l = quad_sum(row_sum[sl][half]);
+            const float inv_l = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+            for (int j = 0; j < kOutTiles; ++j)
+                *reinterpret_cast<u32*>(smem.q + OTile::offset(local_row, j * kMmaN + 2 * t)) =
+                    pack2<elem_t>(o[sl][j][2 * half] * inv_l, o[sl][j][2 * half + 1] * inv_l);
+            const int row = m0 + local_row;
+            if (p.lse != nullptr && t == 0 && row < pr.seqlen_q)
+                p.lse[pr.lse_offset + row] =
+                    l > 0.f ? (row_max[sl][half] * log2_factor + __log2f(l)) / kLog2e : kNegInf;
+        }
+    __syncwarp();
+    constexpr int kVecsPerRow = kHeadDimV / kElemsPerVector;
+    for (int idx = lane; idx < kWarpRows * kVecsPerRow; idx += kWarpSize) {
+        const int local_row = warp_row0 + idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
+        const int row = m0 + local_row;
+        if (row < pr.seqlen_q && col < p.head_dim_v)
+            *reinterpret_cast<uint4*>(out + (i64)row * p.o_row_stride + col) =
+                *reinterpret_cast<const uint4*>(smem.q + OTile::offset(local_row, col));
+    }
+}

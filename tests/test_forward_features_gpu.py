@@ -1,0 +1,133 @@
+"""Rung 4 (the production forward) against the fp64 reference: every feature and their combinations."""
+
+import itertools
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.reference import varlen_apply, attention_ref
+from flashtile.testing import compare, ERROR_RATIO, ABS_FLOOR
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64),
+             (40, 40), (72, 72), (136, 136), (200, 200), (8, 8)]
+FEATURES = [
+    {},
+    {"causal": True},
+    {"window_size": (100, 0)},
+    {"window_size": (50, 50)},
+    {"softcap": 30.0},
+    {"alibi": True},
+    {"causal": True, "softcap": 20.0, "alibi": True},
+    {"window_size": (64, 16), "alibi": True},
+    {"causal": True, "window_size": (300, -1), "softcap": 5.0},
+]
+SEQLENS = [(1, 1), (63, 63), (1000, 1000), (4097, 4097), (63, 1000), (1000, 63), (1, 4097), (257, 129)]
+HEADS = [(4, 4), (8, 2), (6, 1)]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _cases():
+    cases = []
+    for n, ((d, dv), dtype, features) in enumerate(itertools.product(HEAD_DIMS, DTYPES, FEATURES)):
+        sq, sk = SEQLENS[(n * 5) % len(SEQLENS)]
+        hq, hkv = HEADS[n % len(HEADS)]
+        batch = 1 if sq * sk > 10**6 else 2
+        cases.append((batch, sq, sk, hq, hkv, d, dv, dtype, features))
+    return cases
+
+
+CASES = _cases()
+
+
+def _options(features, hq, batch, device="cuda", per_batch=False):
+    options = {k: v for k, v in features.items() if k != "alibi"}
+    if features.get("alibi"):
+        shape = (batch, hq) if per_batch else (hq,)
+        options["alibi_slopes"] = torch.rand(shape, device=device) * 0.3
+    return options
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"b{c[0]}-sq{c[1]}-sk{c[2]}-h{c[3]}:{c[4]}-d{c[5]}:{c[6]}-"
+                                             f"{str(c[7])[6:]}-{'+'.join(c[8]) or 'plain'}" for c in CASES])
+def test_pipelined_feature_combinations(case, poisoned_outputs):
+    batch, sq, sk, hq, hkv, d, dv, dtype, features = case
+    torch.manual_seed(hash(str(case)) % 2**31)
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, hkv, dv, device="cuda", dtype=dtype)
+    options = _options(features, hq, batch, per_batch=batch > 1 and sq % 2 == 1)
+    out, lse = flashtile.attention(q, k, v, return_lse=True, rung="pipelined", **options)
+    result = compare(q, k, v, out, lse, **options)
+    assert result.ok, f"{case}: {result}"
+
+
+VARLEN = [
+    ([1, 63, 1000, 17], [1, 63, 1000, 17], {}),
+    ([5, 300, 1], [700, 64, 3], {"causal": True}),
+    ([129, 1, 4097], [129, 1, 4097], {"causal": True, "alibi": True}),
+    ([100, 200, 300], [50, 400, 300], {"window_size": (32, 32), "softcap": 10.0}),
+    ([64, 64, 64, 64], [128, 0, 64, 1], {"causal": True}),  # an empty key sequence: its rows see nothing
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (256, 256), (192, 128)])
+@pytest.mark.parametrize("lengths_q,lengths_k,features", VARLEN)
+def test_varlen(lengths_q, lengths_k, features, d, dv, dtype, poisoned_outputs):
+    hq, hkv = 4, 2
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lengths_q)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lengths_k)), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lengths_q), hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lengths_k), hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(sum(lengths_k), hkv, dv, device="cuda", dtype=dtype)
+    options = _options(features, hq, len(lengths_q), per_batch=True)
+    out, lse = flashtile.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                          return_lse=True, rung="pipelined", **options)
+    slopes = options.pop("alibi_slopes", None)
+    ref_out, ref_lse = varlen_apply(attention_ref, q, k, v, cu_q, cu_k, alibi_slopes=slopes, **options)
+    torch_out, torch_lse = varlen_apply(lambda *a, **kw: attention_ref(*a, dtype=dtype, **kw),
+                                        q, k, v, cu_q, cu_k, alibi_slopes=slopes, **options)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    err = (out.double() - ref_out).abs().max().item()
+    err_torch = (torch_out.double() - ref_out).abs().max().item()
+    assert err <= ERROR_RATIO * err_torch + ABS_FLOOR, (err, err_torch)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    seen = ~torch.isinf(ref_lse)
+    lse_err = (lse[seen].double() - ref_lse[seen]).abs().max().item()
+    lse_err_torch = (torch_lse.double()[seen] - ref_lse[seen]).abs().max().item()
+    assert lse_err <= ERROR_RATIO * lse_err_torch + ABS_FLOOR, (lse_err, lse_err_torch)
+
+
+def test_strided_views_of_a_packed_qkv(poisoned_outputs):
+    """q, k, v as views into one (b, s, 3, h, d) buffer: non-contiguous heads and rows."""
+    qkv = torch.randn(2, 777, 3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(dim=2)
+    out, lse = flashtile.attention(q, k, v, causal=True, return_lse=True)
+    assert compare(q, k, v, out, lse, causal=True).ok
+
+
+def test_more_than_2_to_the_31_elements(poisoned_outputs):
+    """q and out hold > 2^31 elements: every offset must be 64-bit."""
+    sq, hq, d = (2**31 // (16 * 64)) + 1000, 16, 64
+    q = torch.randn(1, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+    assert q.numel() > 2**31
+    k = torch.randn(1, 96, hq, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 96, hq, d, device="cuda", dtype=torch.bfloat16)
+    out, lse = flashtile.attention(q, k, v, return_lse=True)
+    tail = slice(sq - 300, sq)  # rows whose offsets are past 2^31
+    result = compare(q[:, tail], k, v, out[:, tail], lse[:, :, tail])
+    assert result.ok, result
+    assert torch.isfinite(out[:, :1000]).all()
+
+
+@pytest.mark.parametrize("rung,option,value", [("tiled", "softcap", 5.0), ("mma", "softcap", 5.0),
+                                               ("naive", "alibi_slopes", "slopes")])
+def test_unsupported_option_for_a_rung_is_named(rung, option, value):
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.float16)
+    if value == "slopes":
+        value = torch.rand(2, device="cuda")
+    with pytest.raises(ValueError, match=option.split("_")[0]):
+        flashtile.attention(q, q, q, rung=rung, **{option: value})
