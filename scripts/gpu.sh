@@ -29,12 +29,14 @@ if [ "$MODE" = full ]; then
 fi
 step check check.log python3 -m flashtile check
 step bench bench.log python3 -m flashtile bench ladder --shape 4,16,4096,64 --dtype bf16 --out "$OUT/docs"
+step matrix matrix.log python3 -m flashtile bench matrix --out "$OUT/docs"
 if [ "$MODE" = tune ]; then step tune tune.log python3 scripts/tune_fwd.py; cat "$OUT/tune.log"; fi
 step overhead overhead.log python3 scripts/overhead.py
 grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest.log" | cut -c1-300 | head -n 30
 tail -n 3 "$OUT/pytest.log"
-head -n 12 "$OUT/overhead.log"
+cat "$OUT/overhead.log"
 tail -n 25 "$OUT/bench.log"
+tail -n 42 "$OUT/matrix.log"
 # At most 8 files come back from the GPU machine: fold the logs into one.
 for log in "$OUT"/*.log; do echo "===== $(basename "$log")"; cat "$log"; done >"$OUT/logs.txt"
 rm -f "$OUT"/*.log

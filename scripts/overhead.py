@@ -1,21 +1,70 @@
-"""Where the host time of one small flashtile.attention call goes (cProfile over many warm calls)."""
+"""Where the host time of one small flashtile.attention call goes: each piece timed alone, warm."""
 
-import cProfile
-import pstats
+import ctypes
+import time
 
 import torch
 
 import flashtile
+from flashtile import api, ladder, launch
 from flashtile.bench import measure
+from flashtile.forward import FwdProblem
+
+
+def per_call_us(fn, calls=5000):
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
 
 q, k, v = (torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-print(f"kernel time of this call: {measure.time_cuda(lambda: flashtile.attention(q, k, v)) * 1e3:.1f} us")
-print(f"host time per call: {measure.host_overhead_us(lambda: flashtile.attention(q, k, v)):.1f} us")
-print(f"host time per torch.empty_like: {measure.host_overhead_us(lambda: torch.empty_like(q)):.1f} us")
-profile = cProfile.Profile()
-profile.enable()
-for _ in range(3000):
-    flashtile.attention(q, k, v)
-profile.disable()
-torch.cuda.synchronize()
-pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+problem = FwdProblem(q, k, v, 0.125, (-1, -1))
+rung = ladder.best_for(problem)
+module = ladder.module_for(rung, problem)
+kernel = module.kernels["attn_fwd"]
+o, lse = problem.empty_outputs()
+params = problem.params(o, lse)
+grid = (1, 2, 1)
+threads = dict(module.spec.defines)["FT_WARPS"] * 32
+smem = module.spec.smem_bytes
+
+libcuda = ctypes.CDLL("libcuda.so.1")
+libcuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+libcuda.cuLaunchKernel.restype = ctypes.c_int
+func = int(kernel.function)
+
+
+def ctypes_launch():
+    buffer = ctypes.create_string_buffer(params, len(params))
+    argv = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    err = libcuda.cuLaunchKernel(func, *grid, threads, 1, 1, smem, stream, argv, None)
+    assert err == 0
+
+
+rows = {
+    "flashtile.attention (whole call)": lambda: flashtile.attention(q, k, v),
+    "launch.launch (cuda.bindings)": lambda: launch.launch(kernel, grid, threads, smem, params),
+    "ctypes cuLaunchKernel": ctypes_launch,
+    "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream(0).cuda_stream,
+    "torch._C._cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
+    "problem.params": lambda: problem.params(o, lse),
+    "problem.empty_outputs": problem.empty_outputs,
+    "new_empty": lambda: q.new_empty(1, 64, 2, 64),
+    "argument checks": lambda: (api._check_tensor("q", q, 4, ""), api._check_tensor("k", k, 4, ""),
+                                api._check_tensor("v", v, 4, ""), api._check_family(q, k, v),
+                                api._check_options(q, None, (-1, -1), 0.0, None, 1)),
+    "_kernel_ready x3": lambda: (api._kernel_ready(q), api._kernel_ready(k), api._kernel_ready(v)),
+    "best_for": lambda: ladder.best_for(problem),
+    "module_for": lambda: ladder.module_for(rung, problem),
+    "torch.add (a small torch op)": lambda: torch.add(q, q),
+}
+for name, fn in rows.items():
+    print(f"{name:<42} {per_call_us(fn):7.2f} us")
+print(f"kernel alone (events, CUDA graph-free): {measure.time_cuda(lambda: launch.launch(kernel, grid, threads, smem, params)) * 1e3:.1f} us")

@@ -101,17 +101,23 @@ def cmd_compile(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import ladder as ladder_bench
+    from .bench import matrix as matrix_bench
     from .bench import report
     from .bench.system import describe
 
-    if args.what != "ladder":
-        print(f"unknown benchmark {args.what!r}; available: ladder", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("No CUDA GPU here: timing the CPU path (chunked online softmax) against torch's CPU SDPA instead.")
-    doc = ladder_bench.run(args.shape, _DTYPES[args.dtype], args.causal, reps=args.reps,
-                           progress=lambda name, ms: print(f"  {name:<18} {ms if ms is None else round(ms, 3)} ms",
-                                                          flush=True))
+    if args.what == "matrix":
+        if not torch.cuda.is_available():
+            print("No CUDA GPU here: the standard matrix needs one (try `flashtile bench ladder` for the CPU path).")
+            return 1
+        doc = matrix_bench.run(_DTYPES[args.dtype], reps=args.reps, progress=lambda r: print(
+            f"  d={r['d']} n={r['n']} causal={int(r['causal'])}: flashtile {r['tflops']['flashtile']:.0f} TFLOP/s, "
+            f"{r['vs_flash']:.2f}x sdpa-flash, {r['vs_best']:.2f}x best", flush=True))
+    else:
+        if not torch.cuda.is_available():
+            print("No CUDA GPU here: timing the CPU path (chunked online softmax) against torch's CPU SDPA instead.")
+        doc = ladder_bench.run(args.shape, _DTYPES[args.dtype], args.causal, reps=args.reps,
+                               progress=lambda name, ms: print(f"  {name:<18} {ms if ms is None else round(ms, 3)} ms",
+                                                              flush=True))
     doc["system"] = describe()
     report.print_table(doc)
     for path in report.save(doc, Path(args.out)):
@@ -127,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("compile", help="precompile every kernel spec for this GPU or --arch")
     p.add_argument("--arch", help="target such as sm_80, sm_89, sm_90a (default: this GPU)")
     p = sub.add_parser("bench", help="time flashtile beside torch's SDPA backends")
-    p.add_argument("what", choices=["ladder"], help="ladder: every rung at one shape")
+    p.add_argument("what", nargs="?", default="matrix", choices=["matrix", "ladder"],
+                   help="matrix (default): the standard matrix of TARGETS.md; ladder: every rung at one shape")
     p.add_argument("--shape", type=_shape, default=(4, 16, 4096, 64), help="batch,heads,seqlen,head_dim")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--causal", action="store_true")

@@ -108,6 +108,7 @@ def compile_options(spec: KernelSpec) -> dict:
         include_path=[str(KERNEL_ROOT / Path(spec.source).parent)],
         define_macro=spec.macro_definitions(),
         ptxas_options=["-v"],
+        device_as_default_execution_space=True,  # lambdas in kernels are device code (NVRTC 13.0 needs this)
     )
 
 
