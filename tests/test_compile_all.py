@@ -14,3 +14,27 @@ def test_spec_compiles_without_spills(spec, cache_dir):
     for entry, res in module.resources.items():
         assert res.spill_stores == 0 and res.spill_loads == 0, f"{spec.name}:{entry} spills: {res}"
         assert res.stack_frame == 0, f"{spec.name}:{entry} uses local memory: {res}"
+
+
+SMEM_CASES = [spec for spec in specs.all_specs("sm_90a") + specs.all_specs("sm_86") if spec.smem_bytes]
+
+
+@pytest.fixture(scope="module")
+def kernel_copy(tmp_path_factory):
+    """A copy of the kernel sources where probe files can sit next to the real ones."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("kernels")
+    shutil.copytree(jit.KERNEL_ROOT, root, dirs_exist_ok=True)
+    return root
+
+
+@pytest.mark.parametrize("spec", SMEM_CASES, ids=[s.name for s in SMEM_CASES])
+def test_host_shared_memory_size_matches_the_kernel(spec, kernel_copy, monkeypatch, cache_dir):
+    """specs.py's smem_bytes (what the launch asks for) equals sizeof(SharedStorage) in the kernel."""
+    probe = spec.source.replace(".cu", f"_smem_probe_{spec.smem_bytes}.cu")
+    name = spec.source.rsplit("/", 1)[-1]
+    (kernel_copy / probe).write_text(f'#include "{name}"\nstatic_assert(sizeof(SharedStorage) == {spec.smem_bytes}, '
+                                     f'"specs.py smem_bytes disagrees with SharedStorage");\n')
+    monkeypatch.setattr(jit, "KERNEL_ROOT", kernel_copy)
+    jit.compile_spec(specs.KernelSpec(probe, spec.entries, spec.dtype, spec.arch, spec.defines, spec.smem_bytes))

@@ -10,8 +10,21 @@ from flashtile import jit, launch, specs
 SPEC = specs.tiled_spec("bf16", 64, "sm_80")
 
 
+def _nvrtc_has_offsetof() -> bool:
+    from cuda.core import Program, ProgramOptions
+
+    probe = "struct P { long long a; int b; };\nstatic_assert(__builtin_offsetof(P, b) == 8, \"b\");\n"
+    try:
+        Program(probe, "c++", ProgramOptions(arch="sm_80", std="c++17")).compile("cubin")
+    except Exception:
+        return False
+    return True
+
+
 def test_params_struct_matches_the_cuda_layout(tmp_path, monkeypatch):
     """NVRTC checks every field offset and the size that launch.py packs against params.cuh."""
+    if not _nvrtc_has_offsetof():  # NVRTC 13.0 lacks it; CI installs a newer one
+        pytest.skip(f"NVRTC {jit.nvrtc_version()} has no __builtin_offsetof")
     fmts = [fmt for _, fmt in launch.PARAM_FIELDS]
     asserts = []
     for i, (name, fmt) in enumerate(launch.PARAM_FIELDS):
