@@ -52,6 +52,8 @@ def _check_family(q, k, v) -> None:
 
 
 def _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch: int | None) -> tuple[float, tuple]:
+    if softmax_scale is None and alibi_slopes is None and softcap == 0.0 and window_size == (-1, -1):
+        return default_scale(q.shape[-1]), (-1, -1)  # the common call: nothing else to check
     if softmax_scale is None:
         scale = default_scale(q.shape[-1])
     elif isinstance(softmax_scale, Real) and not isinstance(softmax_scale, bool) and math.isfinite(softmax_scale):
@@ -82,26 +84,38 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """Make 16-byte vector loads legal: head dim a multiple of 8 (zero padding), aligned base and strides."""
     if t.shape[-1] % HEAD_DIM_MULTIPLE:
         return F.pad(t, (0, -t.shape[-1] % HEAD_DIM_MULTIPLE))  # a fresh, contiguous, aligned tensor
-    misaligned = t.data_ptr()
-    for stride in t.stride()[:-1]:
-        misaligned |= stride * t.element_size()
-    if misaligned % ALIGN_BYTES:
+    strides = t.stride()
+    any_stride = strides[0] | strides[1] | (strides[2] if len(strides) == 4 else 0)
+    if (any_stride * t.element_size() | t.data_ptr()) % ALIGN_BYTES:  # some stride or the base is misaligned
         return t.clone(memory_format=torch.contiguous_format)
     return t
 
 
+# (rung argument, dtype, head dims, features, device) -> (rung, loaded kernels): the per-call dispatch is one
+# dictionary lookup once a configuration has been seen.
+_dispatch: dict[tuple, tuple] = {}
+
+
 def _cuda_forward(problem: FwdProblem, rung):
     """Pad/align the operands, run the chosen rung, cut the padding off the output."""
-    head_dim_v = problem.head_dim_v
+    head_dim_v = problem.v.shape[-1]
     problem.q, problem.k, problem.v = _kernel_ready(problem.q), _kernel_ready(problem.k), _kernel_ready(problem.v)
-    if rung == "auto":
-        chosen = ladder.best_for(problem)
-    else:
-        chosen = ladder.get(rung)
-        why_not = chosen.unsupported(problem)
-        if why_not:
-            raise ValueError(why_not)
-    o, lse = chosen.run(problem)
+    window = problem.window
+    key = (rung, problem.q.dtype, problem.q.shape[-1], problem.v.shape[-1], window[0] >= 0 or window[1] > 0,
+           problem.softcap > 0, problem.alibi_slopes is not None, problem.cu_seqlens_q is not None,
+           problem.q.device.index)
+    hit = _dispatch.get(key)
+    if hit is None:
+        if rung == "auto":
+            chosen = ladder.best_for(problem)
+        else:
+            chosen = ladder.get(rung)
+            why_not = chosen.unsupported(problem)
+            if why_not:
+                raise ValueError(why_not)
+        hit = _dispatch[key] = (chosen, ladder.module_for(chosen, problem))
+    chosen, module = hit
+    o, lse = chosen.launch(problem, module)
     return (o[..., :head_dim_v] if o.shape[-1] != head_dim_v else o), lse
 
 

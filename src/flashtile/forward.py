@@ -84,27 +84,30 @@ class FwdProblem:
     def params(self, o: torch.Tensor, lse: torch.Tensor | None, scores: torch.Tensor | None = None) -> bytes:
         """The AttnParams struct for this problem writing into `o` / `lse` (see kernels/common/params.cuh)."""
         q, k, v = self.q, self.k, self.v
-        if self.varlen:  # (total, heads, dim): no batch stride, rows are located through cu_seqlens
+        heads_q, heads_kv = q.shape[-2], k.shape[-2]
+        if self.cu_seqlens_q is not None:  # (total, heads, dim): no batch stride, rows located via cu_seqlens
+            batch, seqlen_q, seqlen_k = self.cu_seqlens_q.shape[0] - 1, self.max_seqlen_q, self.max_seqlen_k
             qs, ks, vs, os_ = (0, *q.stride()[:2]), (0, *k.stride()[:2]), (0, *v.stride()[:2]), (0, *o.stride()[:2])
             lse_strides = (0, lse.stride(0)) if lse is not None else (0, 0)
+            cu_q, cu_k = self.cu_seqlens_q.data_ptr(), self.cu_seqlens_k.data_ptr()
         else:
+            batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
             qs, ks, vs, os_ = q.stride()[:3], k.stride()[:3], v.stride()[:3], o.stride()[:3]
             lse_strides = lse.stride()[:2] if lse is not None else (0, 0)
+            cu_q = cu_k = 0
         slopes = self.alibi_slopes
-        varlen = self.varlen
         # Positional, in the order of struct AttnParams (hot path: ~0.5 us instead of ~4 us with keywords;
         # tests/test_forward.py checks every field by name).
         return PARAMS_STRUCT.pack(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
             lse.data_ptr() if lse is not None else 0,
             scores.data_ptr() if scores is not None else 0,
-            self.cu_seqlens_q.data_ptr() if varlen else 0,
-            self.cu_seqlens_k.data_ptr() if varlen else 0,
+            cu_q, cu_k,
             slopes.data_ptr() if slopes is not None else 0,
             *qs, *ks, *vs, *os_, *lse_strides,
             slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0,
-            self.batch, self.heads_q, self.heads_kv, self.heads_q // self.heads_kv,
-            self.seqlen_q, self.seqlen_k, self.head_dim, self.head_dim_v,
+            batch, heads_q, heads_kv, heads_q // heads_kv,
+            seqlen_q, seqlen_k, q.shape[-1], v.shape[-1],
             self.scale, self.scale * LOG2E, self.softcap,
             self.window[0], self.window[1],
         )

@@ -22,15 +22,16 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return addr;
 }
 
-// Four 8x8 matrices of 16-bit elements; lane i supplies the address of row i % 8 of matrix i / 8.
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* row_addr) {
+// Four 8x8 matrices of 16-bit elements; lane i supplies the shared-memory address (a 32-bit shared-window
+// address, see smem_addr) of row i % 8 of matrix i / 8.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 row_addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row_addr)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(row_addr));
 }
 // The same, each matrix transposed on the way into registers (B operands stored k-major, like V).
-__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* row_addr) {
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 row_addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row_addr)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(row_addr));
 }
 
 // D = A * B + D on the tensor cores, fp32 accumulation.
@@ -47,9 +48,9 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 
 
 // Asynchronous 16-byte global -> shared copy (sm_80+). With `valid` false nothing is read and the
 // destination is zero-filled: tile edges need no separate path.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? kBytesPerVector : 0));
+                 :: "r"(dst), "l"(src), "r"(valid ? kBytesPerVector : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int kPending>

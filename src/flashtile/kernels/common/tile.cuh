@@ -5,7 +5,8 @@
 // one 128-byte line and the XOR rotates which 16-byte slot a chunk takes, so the 8 row addresses of any
 // ldmatrix phase (8 consecutive rows, one chunk) land in 8 different bank groups, and the 8 threads of a
 // cp.async phase (2 rows x 4 chunks) write one contiguous 128-byte line. No padding is needed, and every
-// head dim that is a multiple of 32 (64, 96, 128, 192, 256) uses the same layout.
+// head dim that is a multiple of 32 (64, 96, 128, 192, 256) uses the same layout. TileLoader streams tiles
+// of a global matrix into that layout with cp.async.
 #pragma once
 #include "mma.cuh"
 
@@ -38,28 +39,61 @@ struct SwizzledTile {
     __device__ static __forceinline__ int fragment_offset(const LaneOffsets& lo, int row0, int col0) {
         return ((col0 / kBlockCols) * kRows + row0) * kBlockCols + lo.parity[(col0 / 16) % 2];
     }
+};
 
-    // Issue cp.async for rows [row0, row0 + kRows) of a (rows, dim) matrix with the given row stride.
-    // Rows at or past `valid_rows` and columns at or past `dim` are zero-filled. A pass of the block
-    // copies kThreads/4 rows of one column block (4 chunks per row); a thread keeps one chunk position for
-    // all its passes, so its addresses differ only by compile-time offsets and a multiple of row_stride.
-    template <int kThreads>
-    __device__ static __forceinline__ void load_async(elem_t* tile, const elem_t* src, i64 row_stride,
-                                                      int row0, int valid_rows, int dim) {
-        constexpr int kRowsPerPass = kThreads / kChunksPerBlockRow;
-        static_assert(kRows % kRowsPerPass == 0, "a pass must not straddle two column blocks");
+// Streams (kRows x kCols) tiles of a row-major global matrix into SwizzledTile shared memory with cp.async.
+// Everything that does not change from tile to tile — this thread's source column, its swizzled destination,
+// which column blocks lie inside the real head dim — is computed once, so issuing a tile costs one 64-bit
+// multiply-add plus, per 16-byte copy, an address add and (only on the last, partial tile) a row test.
+// A pass of the block copies kThreads/4 rows of one column block (4 chunks of 16 bytes per row).
+template <int kRows, int kCols, int kThreads>
+struct TileLoader {
+    using Tile = SwizzledTile<kRows, kCols>;
+    static constexpr int kRowsPerPass = kThreads / kChunksPerBlockRow;
+    static constexpr int kBlocks = kCols / kBlockCols;
+    static_assert(kRows % kRowsPerPass == 0, "a pass must not straddle two column blocks");
+
+    const elem_t* src;   // this thread's chunk in row `row` of the matrix
+    i64 row_stride;
+    u32 dst;             // byte offset of this thread's chunk in a tile
+    int row;             // this thread's row within each pass
+    unsigned blocks_in_dim;  // bit b set: column block b starts inside the real head dim
+
+    __device__ __forceinline__ TileLoader(const elem_t* matrix, i64 stride, int dim) : row_stride(stride) {
         const int chunk = threadIdx.x % kChunksPerBlockRow;
-        const int row = threadIdx.x / kChunksPerBlockRow;
-        const elem_t* from = src + (i64)(row0 + row) * row_stride + chunk * 8;
-        elem_t* to = tile + offset(row, chunk * 8);  // the swizzle depends on row % 8 only: same every pass
+        row = threadIdx.x / kChunksPerBlockRow;
+        src = matrix + (i64)row * stride + chunk * 8;
+        dst = Tile::offset(row, chunk * 8) * (u32)sizeof(elem_t);  // the swizzle depends on row % 8 only
+        blocks_in_dim = 0;
 #pragma unroll
-        for (int block = 0; block < kCols / kBlockCols; ++block)
+        for (int b = 0; b < kBlocks; ++b)
+            if (b * kBlockCols + chunk * 8 < dim) blocks_in_dim |= 1u << b;
+    }
+
+    // Copy rows [row0, row0 + kRows) to the tile at shared address `tile`; rows >= valid_rows become zeros,
+    // and so do the columns past the real head dim. Interior tiles take the unguarded path.
+    __device__ __forceinline__ void issue(u32 tile, int row0, int valid_rows) const {
+        const elem_t* from = src + (i64)row0 * row_stride;
+        if (row0 + kRows <= valid_rows && blocks_in_dim == (1u << kBlocks) - 1) {
+#pragma unroll
+            for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+                for (int pass = 0; pass < kRows / kRowsPerPass; ++pass)
+                    cp_async_16(tile + dst + chunk_bytes(b, pass), from + pass * kRowsPerPass * row_stride + b * kBlockCols, true);
+            return;
+        }
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
             for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
                 const int r = pass * kRowsPerPass;
-                const bool valid = row0 + row + r < valid_rows && block * kBlockCols + chunk * 8 < dim;
-                cp_async_16(to + (block * kRows + r) * kBlockCols,
-                            valid ? from + r * row_stride + block * kBlockCols : src, valid);
+                const bool valid = ((blocks_in_dim >> b) & 1u) && row0 + row + r < valid_rows;
+                cp_async_16(tile + dst + chunk_bytes(b, pass), valid ? from + r * row_stride + b * kBlockCols : src, valid);
             }
+    }
+
+  private:
+    __device__ static constexpr u32 chunk_bytes(int block, int pass) {
+        return (block * kRows + pass * kRowsPerPass) * kBlockCols * (u32)sizeof(elem_t);
     }
 };

@@ -75,7 +75,7 @@ mma_fwd(const __grid_constant__ AttnParams p) {
     u32 q_frag[kHeadDim / kMmaK][4];
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / kMmaK; ++kk)
-        ldmatrix_x4(q_frag[kk], &smem.q[warp * kMmaM + lane % 16][kk * kMmaK + (lane / 16) * 8]);
+        ldmatrix_x4(q_frag[kk], smem_addr(&smem.q[warp * kMmaM + lane % 16][kk * kMmaK + (lane / 16) * 8]));
 
     const int n_begin = mask.key_begin(m0) / kBlockN * kBlockN;
     const int n_end = mask.key_end(m1);
@@ -92,7 +92,7 @@ mma_fwd(const __grid_constant__ AttnParams p) {
 #pragma unroll
             for (int np = 0; np < kScoreTiles / 2; ++np) {
                 u32 bk[4];  // n8 tile 2np: bk[0], bk[1]; n8 tile 2np+1: bk[2], bk[3]
-                ldmatrix_x4(bk, &smem.k[np * 16 + lane % 8 + (lane / 16) * 8][kk * kMmaK + ((lane / 8) % 2) * 8]);
+                ldmatrix_x4(bk, smem_addr(&smem.k[np * 16 + lane % 8 + (lane / 16) * 8][kk * kMmaK + ((lane / 8) % 2) * 8]));
                 mma_16816(s[2 * np], q_frag[kk], bk[0], bk[1]);
                 mma_16816(s[2 * np + 1], q_frag[kk], bk[2], bk[3]);
             }
@@ -143,7 +143,7 @@ mma_fwd(const __grid_constant__ AttnParams p) {
 #pragma unroll
             for (int dp = 0; dp < kOutTiles / 2; ++dp) {
                 u32 bv[4];  // d tile 2dp: bv[0], bv[1]; d tile 2dp+1: bv[2], bv[3]
-                ldmatrix_x4_trans(bv, &smem.v[kk * kMmaK + lane % 8 + ((lane / 8) % 2) * 8][dp * 16 + (lane / 16) * 8]);
+                ldmatrix_x4_trans(bv, smem_addr(&smem.v[kk * kMmaK + lane % 8 + ((lane / 8) % 2) * 8][dp * 16 + (lane / 16) * 8]));
                 mma_16816(o[2 * dp], a, bv[0], bv[1]);
                 mma_16816(o[2 * dp + 1], a, bv[2], bv[3]);
             }

@@ -51,6 +51,13 @@ struct SharedStorage {
 
 template <bool B> struct Bool { static constexpr bool value = B; };
 
+// The running maximum a row's probabilities are measured against moves only when a new score exceeds it by
+// more than this (in log2 units): until then p = exp2(s - m_ref) <= 2^8, harmless in fp32 sums and in the
+// 16-bit P, and the 4 * kOutTiles multiplies that rescale O are skipped — after the first few tiles, almost
+// always. The result is the same softmax, measured from a different reference point.
+constexpr float kRescaleThreshold = 8.f;
+constexpr u32 kElemBytes = sizeof(elem_t);
+
 extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
 attn_fwd(const __grid_constant__ AttnParams p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -71,17 +78,24 @@ attn_fwd(const __grid_constant__ AttnParams p) {
     const int n_end = mask.key_end(m1);
     const int n_tiles = n_end > n_begin ? ceil_div(n_end - n_begin, kBlockN) : 0;
 
-    const elem_t* q = static_cast<const elem_t*>(p.q) + pr.q_offset;
-    const elem_t* k = static_cast<const elem_t*>(p.k) + pr.k_offset;
-    const elem_t* v = static_cast<const elem_t*>(p.v) + pr.v_offset;
+    // 32-bit shared-memory addresses of the tiles (ldmatrix and cp.async take these directly).
+    const u32 q_smem = smem_addr(smem.q);
+    const u32 k_smem = smem_addr(smem.k[0]), v_smem = smem_addr(smem.v[0]);
+    constexpr u32 kKStageBytes = KTile::kElems * kElemBytes, kVStageBytes = VTile::kElems * kElemBytes;
+
+    const TileLoader<kBlockN, kHeadDim, kThreads> k_loader(
+        static_cast<const elem_t*>(p.k) + pr.k_offset, p.k_row_stride, p.head_dim);
+    const TileLoader<kBlockN, kHeadDimV, kThreads> v_loader(
+        static_cast<const elem_t*>(p.v) + pr.v_offset, p.v_row_stride, p.head_dim_v);
     auto load_kv = [&](int tile, int stage) {
         const int n0 = n_begin + tile * kBlockN;
-        KTile::load_async<kThreads>(smem.k[stage], k, p.k_row_stride, n0, pr.seqlen_k, p.head_dim);
-        VTile::load_async<kThreads>(smem.v[stage], v, p.v_row_stride, n0, pr.seqlen_k, p.head_dim_v);
+        k_loader.issue(k_smem + stage * kKStageBytes, n0, pr.seqlen_k);
+        v_loader.issue(v_smem + stage * kVStageBytes, n0, pr.seqlen_k);
     };
 
     // Prologue: Q, then the first STAGES-1 K/V tiles, one commit group each (empty groups keep the count).
-    QTile::load_async<kThreads>(smem.q, q, p.q_row_stride, m0, pr.seqlen_q, p.head_dim);
+    TileLoader<kBlockM, kHeadDim, kThreads>(static_cast<const elem_t*>(p.q) + pr.q_offset, p.q_row_stride,
+                                            p.head_dim).issue(q_smem, m0, pr.seqlen_q);
     cp_async_commit();
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
@@ -96,19 +110,19 @@ attn_fwd(const __grid_constant__ AttnParams p) {
     const float slope = kAlibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
     const float inv_softcap = kSoftcap ? 1.f / p.softcap : 0.f;
     const int warp_row0 = warp * kWarpRows;  // first row of this warp within the tile
-    // Per-lane ldmatrix offsets (tile.cuh): Q as the A operand, K as B, V as B transposed.
+    // Per-lane ldmatrix addresses (tile.cuh): Q as the A operand, K as B, V as B transposed.
     const auto q_lane = QTile::fragment_lane(lane % 16, (lane / 16) * 8);
     const auto k_lane = KTile::fragment_lane(lane % 8 + (lane / 16) * 8, ((lane / 8) % 2) * 8);
     const auto v_lane = VTile::fragment_lane(lane % 8 + ((lane / 8) % 2) * 8, (lane / 16) * 8);
 
     float o[kSlabs][kOutTiles][4] = {};
-    float row_max[kSlabs][2], row_sum[kSlabs][2];
+    float row_max[kSlabs][2], row_sum[kSlabs][2];  // row_max: the reference point of this row's exponentials
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
         for (int half = 0; half < 2; ++half) { row_max[sl][half] = kNegInf; row_sum[sl][half] = 0.f; }
 
-    auto attend = [&](const elem_t* sk, const elem_t* sv, int n0, auto masked) {
+    auto attend = [&](u32 sk, u32 sv, int n0, auto masked) {
         // S = Q K^T for this warp's rows: kSlabs x 16 rows by kBlockN keys.
         float s[kSlabs][kScoreTiles][4] = {};
 #pragma unroll
@@ -116,11 +130,11 @@ attn_fwd(const __grid_constant__ AttnParams p) {
             u32 a[kSlabs][4];
 #pragma unroll
             for (int sl = 0; sl < kSlabs; ++sl)
-                ldmatrix_x4(a[sl], smem.q + QTile::fragment_offset(q_lane, warp_row0 + sl * kMmaM, kk * kMmaK));
+                ldmatrix_x4(a[sl], q_smem + kElemBytes * QTile::fragment_offset(q_lane, warp_row0 + sl * kMmaM, kk * kMmaK));
 #pragma unroll
             for (int np = 0; np < kScoreTiles / 2; ++np) {
                 u32 bk[4];
-                ldmatrix_x4(bk, sk + KTile::fragment_offset(k_lane, np * 16, kk * kMmaK));
+                ldmatrix_x4(bk, sk + kElemBytes * KTile::fragment_offset(k_lane, np * 16, kk * kMmaK));
 #pragma unroll
                 for (int sl = 0; sl < kSlabs; ++sl) {
                     mma_16816(s[sl][2 * np], a[sl], bk[0], bk[1]);
@@ -129,7 +143,8 @@ attn_fwd(const __grid_constant__ AttnParams p) {
             }
         }
 
-        // Score modifications, the mask (boundary tiles only), and the online softmax in base 2.
+        // Score modifications and the mask (boundary tiles only), then each row's tile maximum.
+        float tile_max[kSlabs][2];
 #pragma unroll
         for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -138,7 +153,7 @@ attn_fwd(const __grid_constant__ AttnParams p) {
                 // Columns relative to this lane's first: the row sees keys [lo, hi) of the tile.
                 const int col0 = n0 + 2 * t;
                 const int lo = mask.first_key(row) - col0, hi = mask.end_key(row) - col0;
-                float tile_max = kNegInf;
+                float mx = kNegInf;
 #pragma unroll
                 for (int j = 0; j < kScoreTiles; ++j)
 #pragma unroll
@@ -153,12 +168,42 @@ attn_fwd(const __grid_constant__ AttnParams p) {
                         if constexpr (decltype(masked)::value) {
                             if (col < lo || col >= hi) x = kNegInf;
                         }
-                        tile_max = fmaxf(tile_max, x);
+                        mx = fmaxf(mx, x);
                     }
-                const float m_new = fmaxf(row_max[sl][half], quad_max(tile_max));
-                const float shift = m_new == kNegInf ? 0.f : m_new * log2_factor;
-                const float correction = fast_exp2(row_max[sl][half] * log2_factor - shift);
-                row_max[sl][half] = m_new;
+                tile_max[sl][half] = quad_max(mx);
+            }
+
+        // Move a row's reference maximum only when it is exceeded by more than the threshold; the warp
+        // rescales its accumulators only when one of its rows moved (a uniform branch).
+        bool moved = false;
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                moved |= (tile_max[sl][half] - row_max[sl][half]) * log2_factor > kRescaleThreshold;
+        if (__any_sync(kFullWarpMask, moved)) {
+#pragma unroll
+            for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float m_new = fmaxf(row_max[sl][half], tile_max[sl][half]);
+                    const float correction = m_new == kNegInf ? 1.f : fast_exp2((row_max[sl][half] - m_new) * log2_factor);
+                    row_max[sl][half] = m_new;
+                    row_sum[sl][half] *= correction;
+#pragma unroll
+                    for (int j = 0; j < kOutTiles; ++j) {
+                        o[sl][j][2 * half] *= correction;
+                        o[sl][j][2 * half + 1] *= correction;
+                    }
+                }
+        }
+
+        // P = exp2(s * factor - m_ref * factor): one FFMA and one MUFU.EX2 per score.
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float shift = row_max[sl][half] == kNegInf ? 0.f : row_max[sl][half] * log2_factor;
                 float tile_sum = 0.f;
 #pragma unroll
                 for (int j = 0; j < kScoreTiles; ++j)
@@ -168,12 +213,7 @@ attn_fwd(const __grid_constant__ AttnParams p) {
                         x = fast_exp2(x * log2_factor - shift);
                         tile_sum += x;
                     }
-                row_sum[sl][half] = row_sum[sl][half] * correction + tile_sum;
-#pragma unroll
-                for (int j = 0; j < kOutTiles; ++j) {
-                    o[sl][j][2 * half] *= correction;
-                    o[sl][j][2 * half + 1] *= correction;
-                }
+                row_sum[sl][half] += tile_sum;
             }
 
         // O += P V, P straight from the score registers.
@@ -185,7 +225,7 @@ attn_fwd(const __grid_constant__ AttnParams p) {
 #pragma unroll
             for (int dp = 0; dp < kOutTiles / 2; ++dp) {
                 u32 bv[4];
-                ldmatrix_x4_trans(bv, sv + VTile::fragment_offset(v_lane, kk * kMmaK, dp * 16));
+                ldmatrix_x4_trans(bv, sv + kElemBytes * VTile::fragment_offset(v_lane, kk * kMmaK, dp * 16));
 #pragma unroll
                 for (int sl = 0; sl < kSlabs; ++sl) {
                     mma_16816(o[sl][2 * dp], a[sl], bv[0], bv[1]);
@@ -202,8 +242,9 @@ attn_fwd(const __grid_constant__ AttnParams p) {
         if (it + kStages - 1 < n_tiles) load_kv(it + kStages - 1, (it + kStages - 1) % kStages);
         cp_async_commit();
         const int stage = it % kStages, n0 = n_begin + it * kBlockN;
-        if (mask.tile_unmasked(m0, m1, n0, n0 + kBlockN)) attend(smem.k[stage], smem.v[stage], n0, Bool<false>());
-        else attend(smem.k[stage], smem.v[stage], n0, Bool<true>());
+        const u32 sk = k_smem + stage * kKStageBytes, sv = v_smem + stage * kVStageBytes;
+        if (mask.tile_unmasked(m0, m1, n0, n0 + kBlockN)) attend(sk, sv, n0, Bool<false>());
+        else attend(sk, sv, n0, Bool<true>());
     }
     cp_async_wait<0>();  // with no visible key tile, Q may still be in flight ...
     __syncthreads();     // ... from any thread, into rows another warp is about to overwrite with O
