@@ -4,7 +4,7 @@
 //           S is turned into probabilities in place (kernel 2), and O = P V is read back out of it
 //           (kernel 3). One thread per output element, no shared memory.
 // Removes:  nothing — this is the baseline every other rung is measured against.
-// Measured: the reference point of `flashtile bench ladder` (docs/ladder.md has the H200 numbers).
+// Measured: 345 ms at b=4 h=16 n=4096 d=64 bf16 on the H200 (0.8 TFLOP/s): the baseline of `bench ladder`.
 // Wastes:   everything. The N x N buffer costs 4 * N^2 bytes per head of memory and traffic (written
 //           once, read twice, written again); every score re-reads a whole row of K straight from
 //           global memory, uncoalesced across the warp; three launches; fp32 math on CUDA cores.
