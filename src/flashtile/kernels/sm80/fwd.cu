@@ -6,7 +6,9 @@
 //           * shared memory is XOR-swizzled (common/tile.cuh) instead of padded: no bank conflicts, no waste;
 //           * each warp owns 16 * kSlabs rows, so every K/V fragment read from shared memory feeds kSlabs mmas;
 //           * the softmax runs in base 2 with the scale folded in: p = exp2(s * scale * log2(e) - m'), one
-//             FFMA and one MUFU.EX2 per score;
+//             FFMA and one MUFU.EX2 per score; O is rescaled only when a row's maximum grows by more than 2^8;
+//           * 32-bit shared addresses and per-lane offsets computed once: the loop is HMMA, LDSM and the
+//             softmax, ~400 SASS instructions per 128 HMMA (860 before this and the previous change);
 //           * masks are evaluated only on tiles that cut the mask boundary; tiles nobody sees are skipped;
 //           * the output tile is staged in shared memory so it leaves in coalesced 16-byte stores.
 //           Features: GQA/MQA, causal and sliding window (bottom-right aligned), softcap and ALiBi (compile-
