@@ -69,9 +69,13 @@ def test_cache_round_trip_and_readable_names(cache_dir):
     assert second.origin == "disk" and second.cubin == first.cubin and second.resources == first.resources
 
 
-def test_resources_are_readable():
-    res = jit.compile_spec(SPEC).resources["tiled_fwd"]
-    assert 0 < res.registers <= 255 and res.spill_stores == 0 and res.barriers >= 1
+def test_resources_are_readable(cache_dir):
+    module = jit.compile_spec(SPEC)
+    res = module.resources["tiled_fwd"]
+    assert 0 < res.registers <= 255 and res.spill_stores == 0 and res.stack_frame == 0
+    assert jit.cubin_registers_and_frames(module.cubin)["tiled_fwd"] == (res.registers, 0)
+    if "Compiling entry function" in module.log:  # the ptxas report, where this NVRTC puts it in the log
+        assert f"Used {res.registers} registers" in module.log and res.barriers >= 1
 
 
 def test_cache_key_covers_arch_defines_and_headers(monkeypatch):

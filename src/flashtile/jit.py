@@ -18,6 +18,7 @@ import io
 import json
 import os
 import re
+import struct
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -125,20 +126,63 @@ _RESOURCE_LINE = re.compile(
     r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED_LINE = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
 _ENTRY_LINE = re.compile(r"Compiling entry function '([^']+)'")
+# Records of the cubin's .nv.info section (CUDA ELF): per-function register count and stack frame size.
+_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE, _EIFMT_SVAL = 0x2F, 0x11, 0x04
 
 
-def parse_resources(log: str) -> dict[str, KernelResources]:
-    """Per-kernel registers / spills / stack / static shared memory from the `ptxas -v` log."""
-    result: dict[str, KernelResources] = {}
+def cubin_registers_and_frames(cubin: bytes) -> dict[str, tuple[int, int]]:
+    """{function: (registers, stack frame bytes)} read from the cubin itself (ELF .nv.info records)."""
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+
+    def c_string(offset: int) -> str:
+        return cubin[offset:cubin.index(b"\0", offset)].decode()
+
+    by_name = {c_string(headers[shstrndx][4] + h[0]): h for h in headers}
+    symtab = by_name[".symtab"]
+    strtab_offset = headers[symtab[6]][4]
+
+    def symbol(index: int) -> str:
+        (name,) = struct.unpack_from("<I", cubin, symtab[4] + index * symtab[9])
+        return c_string(strtab_offset + name)
+
+    found: dict[str, dict[int, int]] = {}
+    info = by_name[".nv.info"]
+    pos, end = info[4], info[4] + info[5]
+    while pos < end:
+        fmt, attr = cubin[pos], cubin[pos + 1]
+        if fmt == _EIFMT_SVAL:
+            (size,) = struct.unpack_from("<H", cubin, pos + 2)
+            if attr in (_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE) and size == 8:
+                index, value = struct.unpack_from("<II", cubin, pos + 4)
+                found.setdefault(symbol(index), {})[attr] = value
+            pos += 4 + size
+        else:  # no value (2 bytes) or a 16-bit value (4 bytes)
+            pos += 4 if fmt in (0x02, 0x03) else 2
+    return {name: (attrs[_EIATTR_REGCOUNT], attrs.get(_EIATTR_FRAME_SIZE, 0))
+            for name, attrs in found.items() if _EIATTR_REGCOUNT in attrs}
+
+
+def parse_resources(log: str, cubin: bytes, entries: tuple[str, ...]) -> dict[str, KernelResources]:
+    """Per-kernel registers, spills, stack and static shared memory.
+
+    Registers and the stack frame come from the cubin; spills, static shared memory and barriers from the
+    `ptxas -v` report in the NVRTC log. Some NVRTC builds leave that report out of the log: then the spill
+    counts are bounded by the stack frame (spills live there) and reported as that bound.
+    """
+    from_log: dict[str, tuple[int, ...]] = {}
     parts = _ENTRY_LINE.split(log)
     for name, body in zip(parts[1::2], parts[2::2]):
-        res = _RESOURCE_LINE.search(body)
-        used = _USED_LINE.search(body)
-        if res is None or used is None:
-            raise RuntimeError(f"could not read ptxas resource report for {name}:\n{body}")
-        stack, spill_st, spill_ld = (int(x) for x in res.groups())
-        regs, barriers, smem = used.groups()
-        result[name] = KernelResources(int(regs), spill_st, spill_ld, stack, int(smem or 0), int(barriers or 0))
+        res, used = _RESOURCE_LINE.search(body), _USED_LINE.search(body)
+        if res and used:
+            from_log[name] = (int(res.group(2)), int(res.group(3)), int(used.group(3) or 0), int(used.group(2) or 0))
+    from_elf = cubin_registers_and_frames(cubin)
+    result = {}
+    for entry in entries:
+        registers, frame = from_elf[entry]
+        spill_stores, spill_loads, smem, barriers = from_log.get(entry, (frame, frame, 0, 0))
+        result[entry] = KernelResources(registers, spill_stores, spill_loads, frame, smem, barriers)
     return result
 
 
@@ -199,7 +243,7 @@ def compile_spec(spec: KernelSpec, *, use_cache: bool = True) -> CompiledModule:
             module = _read_entry(stem, spec, key) if use_cache else None
             if module is None:
                 cubin, log = _nvrtc_compile(spec)
-                module = CompiledModule(spec, cubin, parse_resources(log), log, origin="nvrtc", key=key)
+                module = CompiledModule(spec, cubin, parse_resources(log, cubin, spec.entries), log, origin="nvrtc", key=key)
                 meta = {"key": key, "spec": spec.name, "sha256": hashlib.sha256(cubin).hexdigest(),
                         "resources": {n: r.__dict__ for n, r in module.resources.items()}, "log": log}
                 _atomic_write(stem.with_suffix(".cubin"), cubin)
