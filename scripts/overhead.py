@@ -41,7 +41,7 @@ func = int(kernel.function)
 
 
 def ctypes_launch():
-    buffer = ctypes.create_string_buffer(params, len(params))
+    buffer = ctypes.create_string_buffer(launch.PARAMS_STRUCT.pack(*params))
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
     stream = torch._C._cuda_getCurrentRawStream(0)
     err = libcuda.cuLaunchKernel(func, *grid, threads, 1, 1, smem, stream, argv, None)

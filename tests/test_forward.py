@@ -6,7 +6,9 @@ from flashtile import launch
 from flashtile.forward import LOG2E, FwdProblem
 
 
-def unpack(packed: bytes) -> dict:
+def unpack(values: tuple) -> dict:
+    """Through the real struct layout and back, by field name."""
+    packed = launch.PARAMS_STRUCT.pack(*values)
     return dict(zip((name for name, _ in launch.PARAM_FIELDS), launch.PARAMS_STRUCT.unpack(packed)))
 
 

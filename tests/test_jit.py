@@ -41,8 +41,8 @@ def test_params_struct_matches_the_cuda_layout(tmp_path, monkeypatch):
     jit.compile_spec(specs.KernelSpec("layout.cu", ("layout_probe",), "f32", "sm_80"), use_cache=False)
 
 
-def test_pack_params_round_trips():
-    packed = launch.pack_params(q=0x1000, seqlen_q=17, softcap=2.5, window_left=-1)
+def test_param_values_round_trip():
+    packed = launch.PARAMS_STRUCT.pack(*launch.param_values(q=0x1000, seqlen_q=17, softcap=2.5, window_left=-1))
     values = dict(zip((n for n, _ in launch.PARAM_FIELDS), launch.PARAMS_STRUCT.unpack(packed)))
     assert values["q"] == 0x1000 and values["seqlen_q"] == 17 and values["softcap"] == 2.5
     assert values["window_left"] == -1 and values["k"] == 0

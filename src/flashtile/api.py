@@ -149,15 +149,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if rung != "auto":
         ladder.get(rung)  # an unknown rung is an error on every device
 
-    if q.device.type == "cpu":
+    if q.is_cuda:
+        problem = FwdProblem(q, k, v, scale, (window[0], 0 if causal else window[1]), float(softcap),
+                             alibi_slopes, want_lse=return_lse)
+        o, lse = _cuda_forward(problem, rung)
+    elif q.device.type == "cpu":
         if rung != "auto":
             raise ValueError(f"rung={rung!r} runs CUDA kernels; CPU tensors take the chunked path (rung='auto')")
         o, lse = reference.attention_chunked(q, k, v, causal=causal, softmax_scale=scale, window_size=window,
                                              softcap=softcap, alibi_slopes=alibi_slopes)
-    elif q.device.type == "cuda":
-        problem = FwdProblem(q, k, v, scale, reference.effective_window(causal, window), float(softcap),
-                             alibi_slopes, want_lse=return_lse)
-        o, lse = _cuda_forward(problem, rung)
     else:
         raise ValueError(f"q, k and v must be CPU or CUDA tensors, got device {q.device}")
     return (o, lse) if return_lse else o

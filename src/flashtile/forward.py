@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .launch import PARAMS_STRUCT
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2E)
 
 
-@dataclass
+@dataclass(slots=True)
 class FwdProblem:
     """Inputs of one attention call after api.py checked them.
 
@@ -74,15 +73,16 @@ class FwdProblem:
 
         LSE is (batch, heads_q, seqlen_q) dense, (heads_q, total_q) varlen — FlashAttention's layouts.
         """
-        o = self.q.new_empty(*self.q.shape[:-1], self.head_dim_v)
+        q = self.q
+        o = torch.empty_like(q) if q.shape[-1] == self.v.shape[-1] else q.new_empty(*q.shape[:-1], self.v.shape[-1])
         lse = None
         if self.want_lse:
             shape = (self.heads_q, self.q.shape[0]) if self.varlen else (self.batch, self.heads_q, self.seqlen_q)
             lse = torch.empty(shape, dtype=torch.float32, device=self.q.device)
         return o, lse
 
-    def params(self, o: torch.Tensor, lse: torch.Tensor | None, scores: torch.Tensor | None = None) -> bytes:
-        """The AttnParams struct for this problem writing into `o` / `lse` (see kernels/common/params.cuh)."""
+    def params(self, o: torch.Tensor, lse: torch.Tensor | None, scores: torch.Tensor | None = None) -> tuple:
+        """AttnParams field values for this problem writing into `o` / `lse` (kernels/common/params.cuh)."""
         q, k, v = self.q, self.k, self.v
         heads_q, heads_kv = q.shape[-2], k.shape[-2]
         if self.cu_seqlens_q is not None:  # (total, heads, dim): no batch stride, rows located via cu_seqlens
@@ -96,9 +96,9 @@ class FwdProblem:
             lse_strides = lse.stride()[:2] if lse is not None else (0, 0)
             cu_q = cu_k = 0
         slopes = self.alibi_slopes
-        # Positional, in the order of struct AttnParams (hot path: ~0.5 us instead of ~4 us with keywords;
+        # Positional, in the order of struct AttnParams (hot path: keywords would cost ~4 us per call;
         # tests/test_forward.py checks every field by name).
-        return PARAMS_STRUCT.pack(
+        return (
             q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
             lse.data_ptr() if lse is not None else 0,
             scores.data_ptr() if scores is not None else 0,

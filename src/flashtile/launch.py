@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import threading
 from collections import namedtuple
 from dataclasses import dataclass
 
@@ -41,9 +42,9 @@ PARAMS_STRUCT = struct.Struct("@" + "".join(fmt for _, fmt in PARAM_FIELDS) + "0
 _ParamValues = namedtuple("_ParamValues", [name for name, _ in PARAM_FIELDS], defaults=[0] * len(PARAM_FIELDS))
 
 
-def pack_params(**values) -> bytes:
-    """Pack the params struct; fields not given are zero (null pointers, unused sizes)."""
-    return PARAMS_STRUCT.pack(*_ParamValues(**values))
+def param_values(**values) -> tuple:
+    """The struct's field values in order, by name; fields not given are zero (null pointers, unused sizes)."""
+    return tuple(_ParamValues(**values))
 
 
 @dataclass
@@ -94,8 +95,23 @@ def load(spec: KernelSpec, device: int) -> LoadedModule:
     return loaded
 
 
-def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int, params: bytes) -> None:
-    """Queue `kernel<<<grid, block, smem, current stream>>>(params)`."""
+class _ParamsBuffer(threading.local):
+    """Per-thread home of the params struct while the driver reads it (cuLaunchKernel copies it at once)."""
+
+    def __init__(self):
+        self.buffer = ctypes.create_string_buffer(PARAMS_STRUCT.size)
+        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buffer))  # void** kernelParams: one argument
+        self.argv_address = ctypes.addressof(self.argv)
+
+
+_params_buffer = _ParamsBuffer()
+
+
+def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int, params: tuple) -> None:
+    """Queue `kernel<<<grid, block, smem, current stream>>>(AttnParams{params...})`.
+
+    `params` are the struct's field values in PARAM_FIELDS order (FwdProblem.params builds them).
+    """
     from cuda.bindings import driver
 
     if smem > kernel.max_dynamic_smem:
@@ -103,10 +119,10 @@ def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: i
             kernel.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
             "setting the dynamic shared-memory limit")
         kernel.max_dynamic_smem = smem
-    buffer = ctypes.create_string_buffer(params, len(params))
-    argv = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+    args = _params_buffer
+    PARAMS_STRUCT.pack_into(args.buffer, 0, *params)
     _check(driver.cuLaunchKernel(kernel.function, *grid, block, 1, 1, smem, _current_stream(kernel.device),
-                                 ctypes.addressof(argv), 0), "cuLaunchKernel")
+                                 args.argv_address, 0), "cuLaunchKernel")
 
 
 def _current_stream(device: int) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from unittest import mock
@@ -68,6 +70,15 @@ def _with_speedups(doc: dict, baseline: str) -> dict:
     return doc
 
 
+def _cold_compile_seconds(spec) -> float:
+    """NVRTC time for `spec` in a new Python process (an in-process NVRTC call can reuse warm state)."""
+    code = ("import sys; from flashtile import jit, specs; "
+            f"m = jit.compile_spec(specs.{spec!r}, use_cache=False); print(m.seconds)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def runtime_costs(dtype: torch.dtype) -> dict:
     """Cold NVRTC compile and disk-cache load of the top rung's spec, and host time per warm call."""
     small = [torch.randn(1, 128, 4, 64, device="cuda", dtype=dtype) for _ in range(3)]
@@ -75,11 +86,11 @@ def runtime_costs(dtype: torch.dtype) -> dict:
     top = ladder.best_for(problem)
     spec = top.spec_for(problem, specs.arch_of(torch.cuda.get_device_capability()))
     with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {"FLASHTILE_CACHE_DIR": tmp}):
-        cold = jit.compile_spec(spec, use_cache=False)   # NVRTC, always
+        cold = _cold_compile_seconds(spec)               # NVRTC in a fresh process: nothing warm
         jit.clear_memo()
         cached = jit.compile_spec(spec)                  # from the entry the cold compile just wrote
-        assert (cold.origin, cached.origin) == ("nvrtc", "disk"), (cold.origin, cached.origin)
+        assert cached.origin == "disk", cached.origin
     jit.clear_memo()
     overhead = measure.host_overhead_us(lambda: api.attention(*small))
-    return {"spec": spec.name, "cold_compile_s": cold.seconds, "cached_load_ms": cached.seconds * 1e3,
+    return {"spec": spec.name, "cold_compile_s": cold, "cached_load_ms": cached.seconds * 1e3,
             "host_overhead_us": overhead, "overhead_shape": "1x128x4x64"}
