@@ -9,7 +9,7 @@
 //           once and stay in registers; a row's mask is two key bounds, not a test per score.
 // Removes:  rung 2's fp32 CUDA-core arithmetic (tensor cores do ~15x the FLOPs per cycle) and its round
 //           trip of P through shared memory.
-// Measured: 1.79 ms at b=4 h=16 n=4096 d=64 bf16 on the H200 (154 TFLOP/s): 5.5x rung 2, 192x rung 0.
+// Measured: 1.78 ms at b=4 h=16 n=4096 d=64 bf16 on the H200 (154 TFLOP/s): 5.5x rung 2, 193x rung 0.
 // Wastes:   loads are synchronous — every warp waits for global memory at each tile, then the memory
 //           system idles while the tensor cores work; rows of shared memory are padded (not swizzled);
 //           the mask is applied to every tile; 16 rows per warp means each K/V fragment loaded from shared
