@@ -1,7 +1,6 @@
 """Where the host time of one small flashtile.attention call goes: each piece timed alone, warm."""
 
 import ctypes
-import time
 
 import torch
 
@@ -9,18 +8,6 @@ import flashtile
 from flashtile import api, ladder, launch
 from flashtile.bench import measure
 from flashtile.forward import FwdProblem
-
-
-def per_call_us(fn, calls=5000):
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 q, k, v = (torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -66,5 +53,5 @@ rows = {
     "torch.add (a small torch op)": lambda: torch.add(q, q),
 }
 for name, fn in rows.items():
-    print(f"{name:<42} {per_call_us(fn):7.2f} us")
+    print(f"{name:<42} {measure.host_overhead_us(fn, calls=5000):7.2f} us")
 print(f"kernel alone (events, CUDA graph-free): {measure.time_cuda(lambda: launch.launch(kernel, grid, threads, smem, params)) * 1e3:.1f} us")
