@@ -1,7 +1,6 @@
 import math
 
 import pytest
-import torch
 
 from flashtile.forward import FwdProblem
 

@@ -49,7 +49,6 @@ def run(dtype=torch.bfloat16, reps: int = 30, progress=None) -> dict:
         doc["rows"].append(row)
         if progress:
             progress(row)
-        del q, k, v
     return doc
 
 
