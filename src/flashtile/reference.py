@@ -41,28 +41,43 @@ def visible(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int
     return ok
 
 
-def _scores(q, k, rows, cols, scale, softcap, alibi_slopes, seqlen_q, seqlen_k, left, right):
-    """Scores (batch, heads_kv, group, rows, cols) with every option applied and -inf where masked."""
+def _capped_scores(q, k, scale, softcap):
+    """Scores (b, h_kv, group, rows, cols) = scale * q . k, soft-capped when softcap > 0; no ALiBi, no mask."""
     s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
+    return s
+
+
+def _bias_and_mask(s, rows, cols, alibi_slopes, seqlen_q, seqlen_k, left, right):
+    """Subtract the ALiBi bias from capped scores `s` and set the positions a row may not see to -inf."""
     if alibi_slopes is not None:
         distance = (rows[:, None] + (seqlen_k - seqlen_q) - cols[None, :]).abs().to(s.dtype)
         s = s - alibi_slopes[..., None, None] * distance
     return s.masked_fill(~visible(rows, cols, seqlen_q, seqlen_k, left, right), float("-inf"))
 
 
+def _scores(q, k, rows, cols, scale, softcap, alibi_slopes, seqlen_q, seqlen_k, left, right):
+    """Scores (batch, heads_kv, group, rows, cols) with every option applied and -inf where masked."""
+    capped = _capped_scores(q, k, scale, softcap)
+    return _bias_and_mask(capped, rows, cols, alibi_slopes, seqlen_q, seqlen_k, left, right)
+
+
+def _group_heads(x: torch.Tensor, heads_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    """(b, s, h_q, d) query-shaped tensor -> (b, h_kv, group, s, d) in `dtype`."""
+    batch, seqlen, heads_q, dim = x.shape
+    return x.to(dtype).permute(0, 2, 1, 3).reshape(batch, heads_kv, heads_q // heads_kv, seqlen, dim)
+
+
 def _split_heads(q, k, v, alibi_slopes, dtype):
     """(b, s, h, d) inputs -> (b, h_kv, group, s, d) queries and (b, h_kv, s, d) keys/values, in `dtype`."""
-    batch, seqlen_q, heads_q, _ = q.shape
-    heads_kv = k.shape[2]
-    group = heads_q // heads_kv
-    qh = q.to(dtype).permute(0, 2, 1, 3).reshape(batch, heads_kv, group, seqlen_q, -1)
+    batch, heads_q, heads_kv = q.shape[0], q.shape[2], k.shape[2]
+    qh = _group_heads(q, heads_kv, dtype)
     kh = k.to(dtype).permute(0, 2, 1, 3)
     vh = v.to(dtype).permute(0, 2, 1, 3)
     slopes = None
     if alibi_slopes is not None:
-        slopes = alibi_slopes.to(dtype).expand(batch, heads_q).reshape(batch, heads_kv, group)
+        slopes = alibi_slopes.to(dtype).expand(batch, heads_q).reshape(batch, heads_kv, heads_q // heads_kv)
     return qh, kh, vh, slopes
 
 
@@ -93,6 +108,11 @@ def attention_ref(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
     return _merge_heads(o), lse.reshape(batch, heads_q, seqlen_q)
 
 
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The CPU path computes in fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _key_range(row0: int, row1: int, seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[int, int]:
     """Keys [begin, end) that any query row in [row0, row1) may see (mirrors Mask in kernels/common/mask.cuh)."""
     offset = seqlen_k - seqlen_q
@@ -111,7 +131,7 @@ def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=
     """
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_dtype = _accumulator_dtype(q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     left, right = effective_window(causal, window_size)
     qh, kh, vh, slopes = _split_heads(q, k, v, alibi_slopes, acc_dtype)
@@ -147,6 +167,70 @@ def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=
     return _merge_heads(out).to(q.dtype), lse.reshape(batch, heads_q, seqlen_q).float()
 
 
+def _backward_block(q, k, v, dout, lse, delta, rows, cols, scale, softcap, slopes, seqlen_q, seqlen_k, left, right):
+    """Gradients of one (query chunk, key chunk) block: (dq, dk, dv) contributions, shaped like q, k, v.
+
+    The probabilities are recomputed from the saved log-sum-exp, P = exp(S - lse); then
+    dV = P^T dO, dP = dO V^T, dS = P * (dP - D). ALiBi and the mask shift the score by constants, so dS
+    reaches the capped score unchanged; the softcap's derivative, 1 - tanh^2 = 1 - (capped / softcap)^2,
+    takes it back to the raw score scale * q . k, whence dQ = scale * dS K and dK = scale * dS^T Q.
+    """
+    capped = _capped_scores(q, k, scale, softcap)
+    s = _bias_and_mask(capped, rows, cols, slopes, seqlen_q, seqlen_k, left, right)
+    p = torch.exp(s - lse[..., None])
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dout)
+    dp = torch.einsum("bhgqd,bhkd->bhgqk", dout, v)
+    ds = p * (dp - delta[..., None])
+    if softcap > 0:
+        ds = ds * (1 - (capped / softcap) ** 2)
+    dq = scale * torch.einsum("bhgqk,bhkd->bhgqd", ds, k)
+    dk = scale * torch.einsum("bhgqk,bhgqd->bhkd", ds, q)
+    return dq, dk, dv
+
+
+def attention_chunked_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                               softcap=0.0, alibi_slopes=None, query_chunk=QUERY_CHUNK, key_chunk=KEY_CHUNK):
+    """FlashAttention-2's backward pass in plain PyTorch: recompute each score block, never store P.
+
+    `out` and `lse` are what :func:`attention_chunked` returned for these inputs and options; `dout` is
+    the gradient of the loss with respect to `out`. With D = rowsum(dout * out), every query chunk visits
+    the key chunks it may see, as the forward did, and adds up the block gradients of
+    :func:`_backward_block`. Extra memory is a few (batch, heads, query_chunk, key_chunk) blocks besides
+    the gradients themselves. Arithmetic is fp32 (fp64 for fp64 inputs). Returns ``(dq, dk, dv)`` shaped
+    and typed like q, k, v; with GQA dk and dv sum over the query heads that share a key/value head.
+    """
+    batch, seqlen_q = q.shape[:2]
+    seqlen_k = k.shape[1]
+    acc_dtype = _accumulator_dtype(q.dtype)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    left, right = effective_window(causal, window_size)
+    qh, kh, vh, slopes = _split_heads(q, k, v, alibi_slopes, acc_dtype)
+    heads_kv, group = qh.shape[1], qh.shape[2]
+    doh = _group_heads(dout, heads_kv, acc_dtype)
+    delta = (doh * _group_heads(out, heads_kv, acc_dtype)).sum(dim=-1)
+    lse = lse.to(acc_dtype).reshape(batch, heads_kv, group, seqlen_q)
+    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # a row that sees no key: P = exp(s - inf) = 0
+    dq, dk, dv = torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
+
+    for row0 in range(0, seqlen_q, query_chunk):
+        row1 = min(row0 + query_chunk, seqlen_q)
+        rows = torch.arange(row0, row1, device=q.device)
+        key_begin, key_end = _key_range(row0, row1, seqlen_q, seqlen_k, left, right)
+        for col0 in range(key_begin, key_end, key_chunk):
+            col1 = min(col0 + key_chunk, key_end)
+            cols = torch.arange(col0, col1, device=q.device)
+            dq_blk, dk_blk, dv_blk = _backward_block(
+                qh[:, :, :, row0:row1], kh[:, :, col0:col1], vh[:, :, col0:col1], doh[:, :, :, row0:row1],
+                lse[..., row0:row1], delta[..., row0:row1], rows, cols, scale, softcap, slopes,
+                seqlen_q, seqlen_k, left, right)
+            dq[:, :, :, row0:row1] += dq_blk
+            dk[:, :, col0:col1] += dk_blk
+            dv[:, :, col0:col1] += dv_blk
+
+    return (_merge_heads(dq).to(q.dtype).contiguous(), dk.permute(0, 2, 1, 3).to(k.dtype).contiguous(),
+            dv.permute(0, 2, 1, 3).to(v.dtype).contiguous())
+
+
 def varlen_apply(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, **options):
     """Run a dense attention function `fn` on each sequence of a packed varlen batch.
 
@@ -164,3 +248,22 @@ def varlen_apply(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, **o
         outs.append(o[0])
         lses.append(lse[0])
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def varlen_apply_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, **options):
+    """:func:`attention_chunked_backward` on each sequence of a packed varlen batch (see :func:`varlen_apply`).
+
+    dout/q/out (total_q, heads_q, d), k/v (total_k, heads_kv, d), lse (heads_q, total_q); returns
+    ``(dq, dk, dv)`` shaped like q, k, v (zero for positions outside every sequence).
+    """
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    bounds_q = cu_seqlens_q.tolist()
+    bounds_k = cu_seqlens_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        sq = slice(bounds_q[b], bounds_q[b + 1])
+        sk = slice(bounds_k[b], bounds_k[b + 1])
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        grads = attention_chunked_backward(dout[sq][None], q[sq][None], k[sk][None], v[sk][None], out[sq][None],
+                                           lse[:, sq][None], alibi_slopes=slopes, **options)
+        dq[sq], dk[sk], dv[sk] = (grad[0] for grad in grads)
+    return dq, dk, dv
