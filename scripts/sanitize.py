@@ -25,5 +25,14 @@ for d, dv in ((96, 96), (192, 128), (256, 256)):
 cu = torch.tensor([0, 5, 5, 80], dtype=torch.int32, device="cuda")
 qv = torch.randn(80, 4, 128, device="cuda", dtype=torch.bfloat16)
 flashtile.varlen_attention(qv, qv, qv, cu, cu, 75, 75, causal=True, return_lse=True)
+# The backward kernels: plain, split passes (d256), score mods, deterministic, varlen.
+for d, dv, options in ((64, 64, {"causal": True}), (128, 128, {"deterministic": True}), (256, 256, {}),
+                       (128, 128, {"softcap": 5.0, "window_size": (20, 3)}), (192, 128, {"causal": True})):
+    q = torch.randn(2, 70, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 150, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 150, 2, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    flashtile.attention(q, k, v, **options).sum().backward()
+qv = qv.detach().requires_grad_()
+flashtile.varlen_attention(qv, qv, qv, cu, cu, 75, 75, causal=True).sum().backward()
 torch.cuda.synchronize()
-print("sanitize: every rung ran")
+print("sanitize: every rung and the backward ran")

@@ -2,6 +2,7 @@ import math
 
 import pytest
 
+from flashtile import api
 from flashtile.forward import FwdProblem
 
 
@@ -18,6 +19,27 @@ def poisoned_outputs(monkeypatch):
         return o, lse
 
     monkeypatch.setattr(FwdProblem, "empty_outputs", poisoned)
+    monkeypatch.setattr(api, "_plans", _NoPlans())  # cached launch plans allocate without poisoning
+
+
+class _NoPlans(dict):
+    """A plan cache that keeps nothing: every call takes the full path."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+@pytest.fixture
+def poisoned_grads(monkeypatch):
+    """The same for the gradient buffers of the backward kernels."""
+    from flashtile import backward
+
+    original = backward.empty_grads
+
+    def poisoned(*tensors):
+        return tuple(g.fill_(math.nan) for g in original(*tensors))
+
+    monkeypatch.setattr(backward, "empty_grads", poisoned)
 
 
 @pytest.fixture

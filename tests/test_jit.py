@@ -21,21 +21,26 @@ def _nvrtc_has_offsetof() -> bool:
     return True
 
 
-def test_params_struct_matches_the_cuda_layout(tmp_path, monkeypatch):
+@pytest.mark.parametrize("struct_name, fields, packer, nested", [
+    ("AttnParams", launch.PARAM_FIELDS, launch.PARAMS_STRUCT, ""),
+    ("BwdParams", launch.BWD_EXTRA_FIELDS, launch.BWD_PARAMS_STRUCT, "AttnParams"),
+])
+def test_params_struct_matches_the_cuda_layout(struct_name, fields, packer, nested, tmp_path, monkeypatch):
     """NVRTC checks every field offset and the size that launch.py packs against params.cuh."""
     if not _nvrtc_has_offsetof():  # NVRTC 13.0 lacks it; CI installs a newer one
         pytest.skip(f"NVRTC {jit.nvrtc_version()} has no __builtin_offsetof")
-    fmts = [fmt for _, fmt in launch.PARAM_FIELDS]
+    prefix = "@" + ("".join(fmt for _, fmt in launch.PARAM_FIELDS) + "0Q" if nested else "")
+    fmts = [fmt for _, fmt in fields]
     asserts = []
-    for i, (name, fmt) in enumerate(launch.PARAM_FIELDS):
-        offset = struct.calcsize("@" + "".join(fmts[:i]) + "0" + fmt)
-        asserts.append(f"static_assert(__builtin_offsetof(AttnParams, {name}) == {offset}, \"{name}\");")
-    asserts.append(f"static_assert(sizeof(AttnParams) == {launch.PARAMS_STRUCT.size}, \"size\");")
+    for i, (name, fmt) in enumerate(fields):
+        offset = struct.calcsize(prefix + "".join(fmts[:i]) + "0" + fmt)
+        asserts.append(f"static_assert(__builtin_offsetof({struct_name}, {name}) == {offset}, \"{name}\");")
+    asserts.append(f"static_assert(sizeof({struct_name}) == {packer.size}, \"size\");")
     (tmp_path / "common").mkdir()
     for header in ("params.cuh", "numeric.cuh"):
         (tmp_path / "common" / header).write_text((jit.KERNEL_ROOT / "common" / header).read_text())
     (tmp_path / "layout.cu").write_text('#include "common/params.cuh"\n' + "\n".join(asserts)
-                                        + '\nextern "C" __global__ void layout_probe(AttnParams p) {}\n')
+                                        + f'\nextern "C" __global__ void layout_probe({struct_name} p) {{}}\n')
     monkeypatch.setattr(jit, "KERNEL_ROOT", tmp_path)
     monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(tmp_path / "cache"))
     jit.compile_spec(specs.KernelSpec("layout.cu", ("layout_probe",), "f32", "sm_80"), use_cache=False)

@@ -37,14 +37,39 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("softmax_scale", "f"), ("scale_log2", "f"), ("softcap", "f"),
     ("window_left", "i"), ("window_right", "i"),
 )
-# '@' = native alignment, as the C compiler lays the struct out; '0Q' pads the end to 8 bytes like C does.
-PARAMS_STRUCT = struct.Struct("@" + "".join(fmt for _, fmt in PARAM_FIELDS) + "0Q")
+# The backward kernels' `struct BwdParams`: an AttnParams, then these fields.
+BWD_EXTRA_FIELDS: tuple[tuple[str, str], ...] = (
+    ("dout", "Q"), ("dq", "Q"), ("dk", "Q"), ("dv", "Q"),
+    ("dq_accum", "Q"), ("dsum", "Q"), ("lse_log2", "Q"), ("dq_semaphore", "Q"),
+    ("do_batch_stride", "q"), ("do_row_stride", "q"), ("do_head_stride", "q"),
+    ("dq_batch_stride", "q"), ("dq_row_stride", "q"), ("dq_head_stride", "q"),
+    ("dk_batch_stride", "q"), ("dk_row_stride", "q"), ("dk_head_stride", "q"),
+    ("dv_batch_stride", "q"), ("dv_row_stride", "q"), ("dv_head_stride", "q"),
+    ("m_blocks", "i"),
+)
+BWD_PARAM_FIELDS = PARAM_FIELDS + BWD_EXTRA_FIELDS
+
+
+def _fmt(fields) -> str:
+    return "".join(fmt for _, fmt in fields)
+
+
+# '@' = native alignment, as the C compiler lays the struct out; '0Q' pads the end to 8 bytes like C does
+# (and, in BwdParams, aligns the fields after the nested AttnParams).
+PARAMS_STRUCT = struct.Struct("@" + _fmt(PARAM_FIELDS) + "0Q")
+BWD_PARAMS_STRUCT = struct.Struct("@" + _fmt(PARAM_FIELDS) + "0Q" + _fmt(BWD_EXTRA_FIELDS) + "0Q")
 _ParamValues = namedtuple("_ParamValues", [name for name, _ in PARAM_FIELDS], defaults=[0] * len(PARAM_FIELDS))
+_BwdValues = namedtuple("_BwdValues", [name for name, _ in BWD_PARAM_FIELDS], defaults=[0] * len(BWD_PARAM_FIELDS))
 
 
 def param_values(**values) -> tuple:
     """The struct's field values in order, by name; fields not given are zero (null pointers, unused sizes)."""
     return tuple(_ParamValues(**values))
+
+
+def bwd_param_values(**values) -> tuple:
+    """The same for BwdParams (forward fields first)."""
+    return tuple(_BwdValues(**values))
 
 
 @dataclass
@@ -99,7 +124,7 @@ class _ParamsBuffer(threading.local):
     """Per-thread home of the params struct while the driver reads it (cuLaunchKernel copies it at once)."""
 
     def __init__(self):
-        self.buffer = ctypes.create_string_buffer(PARAMS_STRUCT.size)
+        self.buffer = ctypes.create_string_buffer(max(PARAMS_STRUCT.size, BWD_PARAMS_STRUCT.size))
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buffer))  # void** kernelParams: one argument
         self.argv_address = ctypes.addressof(self.argv)
 
@@ -107,10 +132,12 @@ class _ParamsBuffer(threading.local):
 _params_buffer = _ParamsBuffer()
 
 
-def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int, params: tuple) -> None:
+def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int, params: tuple,
+           layout: struct.Struct = PARAMS_STRUCT) -> None:
     """Queue `kernel<<<grid, block, smem, current stream>>>(AttnParams{params...})`.
 
-    `params` are the struct's field values in PARAM_FIELDS order (FwdProblem.params builds them).
+    `params` are the struct's field values in PARAM_FIELDS order (FwdProblem.params builds them); the
+    backward kernels take BWD_PARAMS_STRUCT and BWD_PARAM_FIELDS.
     """
     from cuda.bindings import driver
 
@@ -120,7 +147,7 @@ def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: i
             "setting the dynamic shared-memory limit")
         kernel.max_dynamic_smem = smem
     args = _params_buffer
-    PARAMS_STRUCT.pack_into(args.buffer, 0, *params)
+    layout.pack_into(args.buffer, 0, *params)
     _check(driver.cuLaunchKernel(kernel.function, *grid, block, 1, 1, smem, _current_stream(kernel.device),
                                  args.argv_address, 0), "cuLaunchKernel")
 

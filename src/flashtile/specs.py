@@ -177,6 +177,72 @@ def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: boo
     return KernelSpec("sm80/fwd.cu", ("attn_fwd",), dtype, arch, defines, smem)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Rung 4 backward (kernels/sm80/bwd.cu). A block owns block_n keys (16 per warp) and keeps their dK and dV
+# in registers: (d + dv) / 2 fp32 registers per thread, plus 2 x block_m / 2 for S and dP. Past head dim 128
+# that does not fit in 255 registers, so those dims run two passes (split: dV, then dK and dQ).
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BwdTile:
+    block_m: int
+    block_n: int
+    stages: int
+    split: bool
+    why: str
+
+    @property
+    def warps(self) -> int:
+        return self.block_n // 16
+
+
+BWD_TILES_LARGE_SMEM = {
+    64: BwdTile(64, 128, 2, False, "FA2's d<=128 tile: 8 warps x 16 keys; 145 KB at d128"),
+    96: BwdTile(64, 128, 2, False, "as d128"),
+    128: BwdTile(32, 128, 2, False, "dK + dV = 128 regs/thread; at block_m 64, S + dP add 64 and ptxas spills; "
+                                    "105 KB"),
+    192: BwdTile(64, 64, 2, True, "two passes; 153 KB"),
+    256: BwdTile(64, 64, 2, True, "two passes; 200 KB, Hopper's 227 KB only"),
+}
+BWD_TILE_SM80_D256 = BwdTile(64, 64, 1, True, "one query buffer: 137 KB fits sm_80's 163 KB")
+BWD_TILES_SMALL_SMEM = {
+    64: BwdTile(32, 64, 2, False, "37 KB"),
+    96: BwdTile(32, 64, 2, False, "51 KB"),
+    128: BwdTile(32, 64, 2, False, "66 KB: at block_m 64, 2 stages need 104 KB, over the 99 KB limit"),
+    192: BwdTile(32, 32, 2, True, "74 KB"),
+    256: BwdTile(32, 32, 2, True, "98 KB"),
+}
+# Softcap keeps 1 - tanh^2 per score and ALiBi its distances: halve block_m to keep the registers.
+BWD_BLOCK_M_SCORE_MODS = 32
+
+
+def bwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdTile:
+    if SMEM_LIMIT.get(arch, 101376) < 160 * 1024:
+        tile = BWD_TILES_SMALL_SMEM[head_dim]
+    elif head_dim == 256 and SMEM_LIMIT.get(arch, 0) < 200 * 1024 + 2048:
+        tile = BWD_TILE_SM80_D256
+    else:
+        tile = BWD_TILES_LARGE_SMEM[head_dim]
+    if score_mods:
+        tile = BwdTile(BWD_BLOCK_M_SCORE_MODS, tile.block_n, tile.stages, tile.split, tile.why + "; score mods")
+    return tile
+
+
+def bwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,
+             alibi: bool = False) -> KernelSpec:
+    d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
+    tile = bwd_tile(max(d, dv), arch, softcap or alibi)
+    m, n, stages = tile.block_m, tile.block_n, tile.stages
+    smem = (n * (d + dv) + stages * m * (d + dv) + n * m) * ELEM_BYTES + 2 * stages * m * 4
+    main = ("attn_bwd_dv", "attn_bwd_dkdq") if tile.split else ("attn_bwd",)
+    defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
+               ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SPLIT", int(tile.split)),
+               ("FT_SOFTCAP", int(softcap)), ("FT_ALIBI", int(alibi)))
+    return KernelSpec("sm80/bwd.cu", ("attn_bwd_preprocess", *main, "attn_bwd_dq_convert"), dtype, arch, defines,
+                      smem)
+
+
 def all_specs(arch: str) -> list[KernelSpec]:
     """Every spec the library can ask for on `arch` — the list `flashtile compile` builds ahead of time."""
     specs: list[KernelSpec] = []
@@ -189,4 +255,7 @@ def all_specs(arch: str) -> list[KernelSpec]:
         specs += [fwd_spec(dtype, d, d, arch) for d in FWD_HEAD_DIMS]
         specs.append(fwd_spec(dtype, 192, 128, arch))  # DeepSeek-style q/k 192, v 128
         specs += [fwd_spec(dtype, 128, 128, arch, softcap=True), fwd_spec(dtype, 128, 128, arch, alibi=True)]
+        specs += [bwd_spec(dtype, d, d, arch) for d in FWD_HEAD_DIMS]
+        specs.append(bwd_spec(dtype, 192, 128, arch))
+        specs += [bwd_spec(dtype, 128, 128, arch, softcap=True), bwd_spec(dtype, 128, 128, arch, alibi=True)]
     return specs

@@ -56,3 +56,33 @@ def compare(q, k, v, out, lse=None, **options) -> Comparison:
         result.lse_error = _max_abs(lse[seen], ref_lse[seen])
         result.lse_error_torch = _max_abs(torch_lse.float()[seen], ref_lse[seen])
     return result
+
+
+@dataclass
+class GradComparison:
+    errors: dict[str, tuple[float, float]]   # "dq"/"dk"/"dv" -> (max |ours - fp64|, max |PyTorch - fp64|)
+    finite: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.finite and all(ours <= ERROR_RATIO * theirs + ABS_FLOOR for ours, theirs in self.errors.values())
+
+    def __str__(self) -> str:
+        parts = [f"{name} err {ours:.2e} (torch {theirs:.2e})" for name, (ours, theirs) in self.errors.items()]
+        return ", ".join(parts) + ("" if self.finite else ", NON-FINITE GRADIENT")
+
+
+def reference_grads(fn, q, k, v, dout, dtype, **options) -> tuple[torch.Tensor, ...]:
+    """dq, dk, dv of `fn(q, k, v, dtype=dtype, **options)[0]` (an attention_ref-like function) by autograd."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, dtype=dtype, **options)[0]
+    return torch.autograd.grad(out, leaves, dout.to(dtype))
+
+
+def compare_grads(q, k, v, dout, grads, fn=attention_ref, **options) -> GradComparison:
+    """Compare a kernel's (dq, dk, dv) with fp64 autograd of the reference, scaled by PyTorch's own error."""
+    ref = reference_grads(fn, q, k, v, dout, torch.float64, **options)
+    theirs = reference_grads(fn, q, k, v, dout, q.dtype, **options)
+    errors = {name: (_max_abs(ours, r), _max_abs(t, r))
+              for name, ours, r, t in zip(("dq", "dk", "dv"), grads, ref, theirs)}
+    return GradComparison(errors, finite=all(bool(torch.isfinite(g).all()) for g in grads))

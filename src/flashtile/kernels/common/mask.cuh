@@ -21,6 +21,14 @@ struct Mask {
     __device__ __forceinline__ int first_key(int i) const { return left < 0 ? 0 : i + offset - left; }
     __device__ __forceinline__ int end_key(int i) const { return right < 0 ? seqlen_k : min(seqlen_k, i + offset + right + 1); }
 
+    // The transpose, for kernels whose rows are keys: the queries that see key j are exactly
+    // [first_query(j), end_query(j)) — empty for a key past seqlen_k.
+    static constexpr int kUnbounded = 1 << 30;
+    __device__ __forceinline__ int first_query(int j) const { return right < 0 ? -kUnbounded : j - offset - right; }
+    __device__ __forceinline__ int end_query(int j) const {
+        return j >= seqlen_k ? first_query(j) : (left < 0 ? kUnbounded : j - offset + left + 1);
+    }
+
     // Keys [key_begin, key_end) hold every key that any query row in [row_begin, row_end) may see.
     __device__ __forceinline__ int key_begin(int row_begin) const {
         return left < 0 ? 0 : max(0, row_begin + offset - left);

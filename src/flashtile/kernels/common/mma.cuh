@@ -52,6 +52,10 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(dst), "l"(src), "r"(valid ? kBytesPerVector : 0));
 }
+// The same for one 4-byte word (per-row fp32 values such as the LSE); invalid rows read as 0.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(kPending)); }

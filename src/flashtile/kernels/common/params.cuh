@@ -41,6 +41,7 @@ struct AttnParams {
 // Where one (batch, head) problem lives: its sequence lengths and the element offsets of its rows.
 struct Problem {
     int seqlen_q, seqlen_k;
+    i64 q_start, k_start;  // first packed row of this sequence (varlen), 0 otherwise
     i64 q_offset, k_offset, v_offset, o_offset, lse_offset;
 };
 
@@ -57,10 +58,37 @@ __device__ __forceinline__ Problem locate_problem(const AttnParams& p, int b, in
         pr.seqlen_q = p.seqlen_q;
         pr.seqlen_k = p.seqlen_k;
     }
+    pr.q_start = q_start;
+    pr.k_start = k_start;
     pr.q_offset = b * p.q_batch_stride + q_start * p.q_row_stride + h * p.q_head_stride;
     pr.k_offset = b * p.k_batch_stride + k_start * p.k_row_stride + h_kv * p.k_head_stride;
     pr.v_offset = b * p.v_batch_stride + k_start * p.v_row_stride + h_kv * p.v_head_stride;
     pr.o_offset = b * p.o_batch_stride + q_start * p.o_row_stride + h * p.o_head_stride;
     pr.lse_offset = b * p.lse_batch_stride + h * p.lse_head_stride + q_start;
     return pr;
+}
+
+// The backward pass: the forward's params (o = the forward output, lse = its log-sum-exp) plus the
+// gradients and the per-row scratch the backward kernels share (kernels/sm80/bwd.cu).
+struct BwdParams {
+    AttnParams fwd;
+    const void* dout;
+    void* dq;
+    void* dk;
+    void* dv;
+    float* dq_accum;       // fp32 dQ, (row of the lse layout) x FT_HEAD_DIM; zeroed by the preprocess kernel
+    float* dsum;           // D = rowsum(dO * O), lse layout
+    float* lse_log2;       // lse * log2(e), +inf for rows that see no key (so their P is 0), lse layout
+    int* dq_semaphore;     // deterministic mode: (batch, heads_q, m_blocks) turn counters; null otherwise
+
+    i64 do_batch_stride, do_row_stride, do_head_stride;
+    i64 dq_batch_stride, dq_row_stride, dq_head_stride;
+    i64 dk_batch_stride, dk_row_stride, dk_head_stride;
+    i64 dv_batch_stride, dv_row_stride, dv_head_stride;
+    int m_blocks;          // query blocks per (batch, head) in the main kernel: the semaphore row length
+};
+
+// Element offset of row `start` of head `head` in batch `b` of a (batch, seqlen, heads, dim) tensor.
+__device__ __forceinline__ i64 row_offset(i64 batch_stride, i64 row_stride, i64 head_stride, int b, i64 start, int head) {
+    return b * batch_stride + start * row_stride + head * head_stride;
 }

@@ -13,6 +13,9 @@
 constexpr int kBlockCols = 32;                                // elements per column block (64 bytes)
 constexpr int kChunksPerBlockRow = kBlockCols / 8;            // 16-byte chunks per block row
 
+// Per-lane part of an ldmatrix address (see SwizzledTile::fragment_lane); the same for every tile height.
+struct LaneOffsets { int parity[2]; };
+
 template <int kRows, int kCols>
 struct SwizzledTile {
     static_assert(kCols % kBlockCols == 0, "tile width must be a multiple of 32 elements");
@@ -28,7 +31,6 @@ struct SwizzledTile {
     // multiple of 8, C a multiple of 16 and lane_col 0 or 8. Then the swizzle term depends only on the lane and
     // on the parity of C / 16, so `fragment_lane` computes it once per lane and `fragment_offset` adds the
     // compile-time part: in an unrolled loop every ldmatrix address is one register plus an immediate.
-    struct LaneOffsets { int parity[2]; };
     __device__ static __forceinline__ LaneOffsets fragment_lane(int lane_row, int lane_col) {
         LaneOffsets lo;
 #pragma unroll
@@ -37,7 +39,8 @@ struct SwizzledTile {
         return lo;
     }
     __device__ static __forceinline__ int fragment_offset(const LaneOffsets& lo, int row0, int col0) {
-        return ((col0 / kBlockCols) * kRows + row0) * kBlockCols + lo.parity[(col0 / 16) % 2];
+        // A select, not an index: with a run-time col0 an indexed register array would go to local memory.
+        return ((col0 / kBlockCols) * kRows + row0) * kBlockCols + ((col0 / 16) % 2 ? lo.parity[1] : lo.parity[0]);
     }
 };
 
@@ -49,7 +52,9 @@ struct SwizzledTile {
 template <int kRows, int kCols, int kThreads>
 struct TileLoader {
     using Tile = SwizzledTile<kRows, kCols>;
-    static constexpr int kRowsPerPass = kThreads / kChunksPerBlockRow;
+    // A pass covers kThreads / 4 rows, or the whole tile when it is shorter (the other threads sit out).
+    static constexpr int kRowsPerPass = kThreads / kChunksPerBlockRow < kRows ? kThreads / kChunksPerBlockRow : kRows;
+    static constexpr bool kAllThreads = kRowsPerPass * kChunksPerBlockRow == kThreads;
     static constexpr int kBlocks = kCols / kBlockCols;
     static_assert(kRows % kRowsPerPass == 0, "a pass must not straddle two column blocks");
 
@@ -72,8 +77,10 @@ struct TileLoader {
 
     // Copy rows [row0, row0 + kRows) to the tile at shared address `tile`; rows >= valid_rows become zeros,
     // and so do the columns past the real head dim. Interior tiles take the unguarded path.
-    __device__ __forceinline__ void issue(u32 tile, int row0, int valid_rows) const {
-        const elem_t* from = src + (i64)row0 * row_stride;
+    // `base` moves the whole matrix (e.g. to another head) without rebuilding the loader.
+    __device__ __forceinline__ void issue(u32 tile, int row0, int valid_rows, i64 base = 0) const {
+        if (!kAllThreads && threadIdx.x >= kRowsPerPass * kChunksPerBlockRow) return;
+        const elem_t* from = src + base + (i64)row0 * row_stride;
         if (row0 + kRows <= valid_rows && blocks_in_dim == (1u << kBlocks) - 1) {
 #pragma unroll
             for (int b = 0; b < kBlocks; ++b)

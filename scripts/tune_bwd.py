@@ -1,0 +1,48 @@
+"""Sweep backward tile shapes at standard-matrix sizes; prints TFLOP/s beside torch's flash backward.
+
+Usage (on the GPU machine): python scripts/tune_bwd.py [d ...] — a lab bench for choosing rows of
+specs.BWD_TILES_*; the reasons in that table come from runs of this script.
+"""
+
+import sys
+
+import torch
+
+import flashtile
+from flashtile import backward, jit, specs
+from flashtile.bench import measure, peers
+
+CANDIDATES = {  # head_dim -> [(block_m, block_n, stages)]
+    64: [(64, 128, 2), (64, 64, 2), (32, 128, 2), (128, 128, 2)],
+    128: [(32, 128, 2), (32, 64, 2), (64, 128, 2), (64, 64, 2)],
+    256: [(64, 64, 2), (32, 64, 2), (32, 32, 2)],
+}
+
+
+def main(dims):
+    for d in dims:
+        heads, seqlen = 2048 // d, 16384
+        leaves = [torch.randn(1, seqlen, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                  for _ in range(3)]
+        for causal in (False, True):
+            flops = measure.attention_flops(1, heads, seqlen, seqlen, d, causal=causal, backward=True)
+            run = peers.sdpa_backward_runner("sdpa-flash", *leaves, causal)
+            row = [f"d{d} n{seqlen} c{int(causal)} sdpa-flash={flops / measure.time_cuda(run, reps=10) / 1e9:.0f}"]
+            del run
+            for bm, bn, stages in CANDIDATES[d]:
+                tile = specs.BwdTile(bm, bn, stages, d > 128, "candidate")
+                specs.bwd_tile = lambda head_dim, arch, score_mods=False, tile=tile: tile
+                backward._modules.clear()
+                spec = specs.bwd_spec("bf16", d, d, "sm_90a")
+                if spec.smem_bytes > specs.SMEM_LIMIT["sm_90a"]:
+                    continue
+                res = jit.compile_spec(spec).resources[spec.entries[1]]
+                run = peers.backward_runner(lambda: flashtile.attention(*leaves, causal=causal), leaves)
+                tflops = flops / measure.time_cuda(run, reps=10) / 1e9
+                row.append(f"{(bm, bn, stages)}[{res.registers}r{'/spill' if res.spill_stores else ''}]={tflops:.0f}")
+                del run
+            print("  ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or sorted(CANDIDATES))
