@@ -5,7 +5,7 @@ import ctypes
 import torch
 
 import flashtile
-from flashtile import api, ladder, launch
+from flashtile import api, dispatch, ladder, launch
 from flashtile.bench import measure
 from flashtile.forward import FwdProblem
 
@@ -47,7 +47,7 @@ rows = {
     "argument checks": lambda: (api._check_tensor("q", q, 4, ""), api._check_tensor("k", k, 4, ""),
                                 api._check_tensor("v", v, 4, ""), api._check_family(q, k, v),
                                 api._check_options(q, None, (-1, -1), 0.0, None, 1)),
-    "_kernel_ready x3": lambda: (api._kernel_ready(q), api._kernel_ready(k), api._kernel_ready(v)),
+    "_kernel_ready x3": lambda: (dispatch.kernel_ready(q), dispatch.kernel_ready(k), dispatch.kernel_ready(v)),
     "best_for": lambda: ladder.best_for(problem),
     "module_for": lambda: ladder.module_for(rung, problem),
     "torch.add (a small torch op)": lambda: torch.add(q, q),

@@ -46,7 +46,7 @@ def main(dims):
                     res = jit.compile_spec(spec).resources["attn_fwd"]
                     module = launch.load(spec, 0)
                     problem = FwdProblem(q, k, v, d**-0.5, (-1, 0) if causal else (-1, -1))
-                    ms = measure.time_cuda(lambda: ladder._launch_pipelined(problem, module))
+                    ms = measure.time_cuda(lambda: ladder.BY_NAME["pipelined"].launch(problem, module))
                     row.append(f"{cand}[{res.registers}r{'/spill' if res.spill_stores else ''}]={flops / ms / 1e9:.0f}")
                 print("  ".join(row), flush=True)
 

@@ -10,15 +10,12 @@ import math
 from numbers import Real
 
 import torch
-import torch.nn.functional as F
 
-from . import ladder, reference
+from . import dispatch, ladder, ops, reference
 from .forward import FwdProblem, default_scale
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-HEAD_DIM_MULTIPLE = 8        # GPU kernels load 16 bytes at a time: head dims are padded to a multiple of 8
-ALIGN_BYTES = 16
 
 
 def _check_tensor(name: str, t, rank: int, what: str) -> None:
@@ -80,47 +77,41 @@ def _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch: 
     return scale, tuple(window_size)
 
 
-def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """Make 16-byte vector loads legal: head dim a multiple of 8 (zero padding), aligned base and strides."""
-    if t.shape[-1] % HEAD_DIM_MULTIPLE:
-        return F.pad(t, (0, -t.shape[-1] % HEAD_DIM_MULTIPLE))  # a fresh, contiguous, aligned tensor
-    strides = t.stride()
-    any_stride = strides[0] | strides[1] | (strides[2] if len(strides) == 4 else 0)
-    if (any_stride * t.element_size() | t.data_ptr()) % ALIGN_BYTES:  # some stride or the base is misaligned
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
+def _check_flags(deterministic, rung) -> None:
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if rung != "auto":
+        ladder.get(rung)  # an unknown rung is an error on every device
 
 
-# (rung argument, dtype, head dims, features, device) -> (rung, loaded kernels): the per-call dispatch is one
-# dictionary lookup once a configuration has been seen.
-_dispatch: dict[tuple, tuple] = {}
+def _differentiable(q, k, v, rung) -> bool:
+    """True when the call must go through the autograd-aware op (gradients wanted, or torch.compile tracing)."""
+    if torch.compiler.is_compiling():
+        return True
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return False
+    if rung != "auto":
+        raise ValueError(f"rung={rung!r} is forward-only; inputs that require grad take rung='auto'")
+    return True
 
 
-def _cuda_forward(problem: FwdProblem, rung):
-    """Pad/align the operands, run the chosen rung, cut the padding off the output."""
-    head_dim_v = problem.v.shape[-1]
-    problem.q, problem.k, problem.v = _kernel_ready(problem.q), _kernel_ready(problem.k), _kernel_ready(problem.v)
-    window = problem.window
-    key = (rung, problem.q.dtype, problem.q.shape[-1], problem.v.shape[-1], window[0] >= 0 or window[1] > 0,
-           problem.softcap > 0, problem.alibi_slopes is not None, problem.cu_seqlens_q is not None,
-           problem.q.device.index)
-    hit = _dispatch.get(key)
-    if hit is None:
-        if rung == "auto":
-            chosen = ladder.best_for(problem)
-        else:
-            chosen = ladder.get(rung)
-            why_not = chosen.unsupported(problem)
-            if why_not:
-                raise ValueError(why_not)
-        hit = _dispatch[key] = (chosen, ladder.module_for(chosen, problem))
-    chosen, module = hit
-    o, lse = chosen.launch(problem, module)
-    return (o[..., :head_dim_v] if o.shape[-1] != head_dim_v else o), lse
+# Input signature (shapes, strides, dtypes, devices, options) -> the LaunchPlan its first call produced. A
+# repeated call checks nothing again: everything the checks looked at is in the signature.
+_plans: dict[tuple, dispatch.LaunchPlan] = {}
+
+
+def _signature(q, k, v, options: tuple) -> tuple | None:
+    try:
+        key = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype, k.get_device(),
+               v.shape, v.stride(), v.dtype, v.get_device(), options)
+        hash(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable option: the full path says what is wrong
+        return None
+    return key
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, return_lse=False, rung="auto"):
+              alibi_slopes=None, return_lse=False, deterministic=False, rung="auto"):
     """Exact attention, FlashAttention layout.
 
     Args:
@@ -133,10 +124,21 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         softcap: if > 0, scores become softcap * tanh(scores / softcap).
         alibi_slopes: float32 (heads_q,) or (batch, heads_q); adds -slope * |i + seqlen_k - seqlen_q - j|.
         return_lse: also return the fp32 log-sum-exp (batch, heads_q, seqlen_q).
+        deterministic: make the backward pass bitwise repeatable (no order-dependent atomics).
         rung: "auto" (the fastest kernel that serves the inputs), or a ladder rung by name or number.
     Returns:
         out (batch, seqlen_q, heads_q, head_dim_v) in the dtype of q, and lse if ``return_lse``.
     """
+    key = None
+    if alibi_slopes is None and not torch.compiler.is_compiling():
+        key = _signature(q, k, v, (causal, softmax_scale, window_size, softcap, return_lse, deterministic, rung))
+        plan = _plans.get(key) if key is not None else None
+        if plan is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                  or v.requires_grad)):
+            result = plan.run(q, k, v)
+            if result is not None:
+                return result if return_lse else result[0]
+
     _check_tensor("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
     _check_tensor("k", k, 4, "(batch, seqlen_k, heads_kv, head_dim)")
     _check_tensor("v", v, 4, "(batch, seqlen_k, heads_kv, head_dim_v)")
@@ -146,13 +148,19 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if v.shape[1] != k.shape[1]:
         raise ValueError(f"k and v must have the same seqlen, got {k.shape[1]} and {v.shape[1]}")
     scale, window = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, q.shape[0])
-    if rung != "auto":
-        ladder.get(rung)  # an unknown rung is an error on every device
+    _check_flags(deterministic, rung)
 
-    if q.is_cuda:
+    if _differentiable(q, k, v, rung):
+        o, lse = ops.forward(q, k, v, None, None, 0, 0, scale, window[0], 0 if causal else window[1],
+                             float(softcap), alibi_slopes, deterministic)
+    elif q.is_cuda:
         problem = FwdProblem(q, k, v, scale, (window[0], 0 if causal else window[1]), float(softcap),
                              alibi_slopes, want_lse=return_lse)
-        o, lse = _cuda_forward(problem, rung)
+        o, lse = dispatch.cuda_forward(problem, rung)
+        if key is not None and problem.q is q and problem.k is k and problem.v is v:  # no operand was copied
+            plan = dispatch.plan_for(problem, rung)
+            if plan is not None:
+                _plans[key] = plan
     elif q.device.type == "cpu":
         if rung != "auto":
             raise ValueError(f"rung={rung!r} runs CUDA kernels; CPU tensors take the chunked path (rung='auto')")
@@ -173,8 +181,8 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
         raise ValueError(f"{name} must be on {device} like q, got {cu.device}")
     if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 1:
         raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return cu.numel() - 1  # values cannot be read during graph capture; the caller vouches for them
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return cu.numel() - 1  # values cannot be read while tracing or capturing; the caller vouches for them
     values = cu.tolist()
     lengths = [b - a for a, b in zip(values, values[1:])]
     if values[0] != 0 or values[-1] != total or min(lengths) < 0:
@@ -186,7 +194,7 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     return_lse=False, rung="auto"):
+                     return_lse=False, deterministic=False, rung="auto"):
     """Exact attention over a batch of sequences of different lengths, packed without padding.
 
     Args:
@@ -208,10 +216,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {cu_seqlens_q.numel()} "
                          f"and {cu_seqlens_k.numel()} offsets")
     scale, window = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch)
-    if rung != "auto":
-        ladder.get(rung)
+    _check_flags(deterministic, rung)
     options = dict(causal=causal, softmax_scale=scale, window_size=window, softcap=softcap)
-    if q.device.type == "cpu":
+    if _differentiable(q, k, v, rung):
+        left, right = reference.effective_window(causal, window)
+        o, lse = ops.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
+                             float(softcap), alibi_slopes, deterministic)
+    elif q.device.type == "cpu":
         if rung != "auto":
             raise ValueError(f"rung={rung!r} runs CUDA kernels; CPU tensors take the chunked path (rung='auto')")
         o, lse = reference.varlen_apply(reference.attention_chunked, q, k, v, cu_seqlens_q, cu_seqlens_k,
@@ -220,7 +231,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         problem = FwdProblem(q, k, v, scale, reference.effective_window(causal, window), float(softcap),
                              alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              want_lse=return_lse)
-        o, lse = _cuda_forward(problem, rung)
+        o, lse = dispatch.cuda_forward(problem, rung)
     else:
         raise ValueError(f"q, k and v must be CPU or CUDA tensors, got device {q.device}")
     return (o, lse) if return_lse else o

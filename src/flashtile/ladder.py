@@ -38,6 +38,9 @@ class Rung:
     spec_for: Callable[[FwdProblem, str], specs.KernelSpec]   # (problem, arch) -> the spec that serves it
     launch: Callable[[FwdProblem, launch.LoadedModule], tuple[torch.Tensor, torch.Tensor | None]]
     min_capability: tuple[int, int] = (7, 5)
+    # For rungs that are one kernel: (problem, module) -> (entry, grid, threads, dynamic smem). api.py
+    # caches it per input signature, so a repeated call is one launch.
+    geometry: Callable[[FwdProblem, launch.LoadedModule], tuple] | None = None
 
     def unsupported(self, problem: FwdProblem) -> str | None:
         """Why this rung cannot serve `problem`, or None if it can."""
@@ -102,21 +105,31 @@ def _launch_naive(problem: FwdProblem, module: launch.LoadedModule):
     return o, lse
 
 
-def _one_kernel(entry: str, block_m: int, threads: int):
-    """Launch for the rungs that are one kernel over a (query blocks, heads, batch) grid."""
+def _grid_geometry(entry: str, block_m: int, threads: int):
+    """Geometry of the rungs that are one kernel over a (query blocks, heads, batch) grid."""
+    def geometry(problem: FwdProblem, module: launch.LoadedModule):
+        grid = (-(-problem.seqlen_q // block_m), problem.heads_q, problem.batch)
+        return entry, grid, threads, module.spec.smem_bytes
+    return geometry
+
+
+def _pipelined_geometry(problem: FwdProblem, module: launch.LoadedModule):
+    defines = dict(module.spec.defines)
+    return _grid_geometry("attn_fwd", defines["FT_BLOCK_M"], defines["FT_WARPS"] * WARP)(problem, module)
+
+
+def _one_kernel(geometry):
     def launch_it(problem: FwdProblem, module: launch.LoadedModule):
         o, lse = problem.empty_outputs()
-        grid = (-(-problem.seqlen_q // block_m), problem.heads_q, problem.batch)
-        launch.launch(module.kernels[entry], grid, threads, module.spec.smem_bytes, problem.params(o, lse))
+        entry, grid, threads, smem = geometry(problem, module)
+        launch.launch(module.kernels[entry], grid, threads, smem, problem.params(o, lse))
         return o, lse
     return launch_it
 
 
-def _launch_pipelined(problem: FwdProblem, module: launch.LoadedModule):
-    defines = dict(module.spec.defines)
-    return _one_kernel("attn_fwd", defines["FT_BLOCK_M"], defines["FT_WARPS"] * WARP)(problem, module)
-
-
+_FUSED = _grid_geometry("fused_fwd", WARPS_FUSED, THREADS_FUSED)
+_TILED = _grid_geometry("tiled_fwd", BLOCK_M_TILED, THREADS_TILED)
+_MMA = _grid_geometry("mma_fwd", BLOCK_M_MMA, THREADS_MMA)
 _CUDA_CORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 _BASIC = frozenset({"window"})
@@ -129,20 +142,20 @@ RUNGS: tuple[Rung, ...] = (
     Rung(1, "fused", "one kernel, online softmax, one warp per query row",
          _CUDA_CORE_DTYPES, max(specs.FUSED_HEAD_DIMS), _BASIC | {"varlen"},
          lambda pr, arch: specs.fused_spec(_dtype(pr), _dims(pr), arch),
-         _one_kernel("fused_fwd", WARPS_FUSED, THREADS_FUSED)),
+         _one_kernel(_FUSED), geometry=_FUSED),
     Rung(2, "tiled", "Q/K/V tiles in shared memory, fp32 on CUDA cores",
          _CUDA_CORE_DTYPES, specs.TILED_MAX_HEAD_DIM, _BASIC | {"varlen"},
          lambda pr, arch: specs.tiled_spec(_dtype(pr), _dims(pr), arch),
-         _one_kernel("tiled_fwd", BLOCK_M_TILED, THREADS_TILED)),
+         _one_kernel(_TILED), geometry=_TILED),
     Rung(3, "mma", "tensor cores (mma.sync), FlashAttention-2 work split, synchronous loads",
          _TENSOR_CORE_DTYPES, max(specs.MMA_HEAD_DIMS), _BASIC | {"varlen"},
          lambda pr, arch: specs.mma_spec(_dtype(pr), _dims(pr), arch),
-         _one_kernel("mma_fwd", BLOCK_M_MMA, THREADS_MMA), _AMPERE),
+         _one_kernel(_MMA), _AMPERE, _MMA),
     Rung(4, "pipelined", "cp.async pipeline, swizzled smem, exp2 softmax, every forward feature",
          _TENSOR_CORE_DTYPES, max(specs.FWD_HEAD_DIMS), _ALL,
          lambda pr, arch: specs.fwd_spec(_dtype(pr), pr.head_dim, pr.head_dim_v, arch,
                                          softcap=pr.softcap > 0, alibi=pr.alibi_slopes is not None),
-         _launch_pipelined, _AMPERE),
+         _one_kernel(_pipelined_geometry), _AMPERE, _pipelined_geometry),
 )
 BY_NAME = {r.name: r for r in RUNGS}
 
