@@ -1,0 +1,150 @@
+"""FlashAttention-2 compatible functions over :func:`flashtile.attention` and :func:`flashtile.varlen_attention`.
+
+The names, argument order, defaults and return conventions are those of ``flash_attn`` 2.x
+(``flash_attn.flash_attn_interface``), so that replacing ``from flash_attn import flash_attn_func`` by
+``from flashtile import flash_attn_func`` is enough. Layouts are FlashAttention's: dense tensors are
+(batch, seqlen, heads, head_dim), varlen tensors are packed (total, heads, head_dim).
+
+What differs from FlashAttention-2:
+
+* ``dropout_p`` must be 0: dropout is not supported yet (ValueError otherwise).
+* ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: FlashAttention-2 returns ``S_dmask``, a
+  debugging tensor that encodes the dropout pattern; with no dropout there is none to return, so it is None.
+* ``block_table`` (paged KV cache) of :func:`flash_attn_varlen_func` is not supported: it must be None.
+"""
+
+from __future__ import annotations
+
+import operator
+from numbers import Real
+
+import torch
+
+from ..api import attention, varlen_attention
+
+QKV_PACKED = 3   # q, k and v stacked along one dimension of a packed tensor
+KV_PACKED = 2    # k and v stacked along one dimension of a packed tensor
+PACK_DIM = -3    # the stacking dimension: (..., 3 or 2, heads, head_dim)
+
+
+def _check_dropout(dropout_p) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real):
+        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout is not supported yet: dropout_p must be 0.0, got {dropout_p!r}")
+
+
+def _as_int(value):
+    """FlashAttention-2 accepts any integer-like max_seqlen (a 0-d int tensor, a numpy int): make it a Python int.
+
+    Anything that is not integer-like is returned unchanged for the checks of flashtile's API to reject.
+    """
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def _unpack(name: str, packed, count: int, rank: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """Split a packed tensor into `count` views along PACK_DIM; gradients flow back into `packed`."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dim() != rank or packed.shape[PACK_DIM] != count:
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(packed.shape)}")
+    return packed.unbind(dim=PACK_DIM)
+
+
+def _result(result, return_attn_probs: bool):
+    """FlashAttention-2's return convention: out, or (out, softmax_lse, S_dmask) with S_dmask None."""
+    if not return_attn_probs:
+        return result
+    out, softmax_lse = result
+    return out, softmax_lse, None
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Attention over (batch, seqlen, heads, head_dim) tensors, as ``flash_attn.flash_attn_func``.
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim);
+           v: (batch, seqlen_k, heads_kv, head_dim_v). heads_q a multiple of heads_kv (MQA/GQA).
+        dropout_p: must be 0.0 (dropout is not supported yet).
+        softmax_scale: defaults to 1 / sqrt(head_dim).
+        causal: causal mask aligned to the bottom-right corner (as FlashAttention >= 2.1).
+        window_size: (left, right) sliding window, -1 = unbounded.
+        softcap: if > 0, scores become softcap * tanh(scores / softcap).
+        alibi_slopes: float32 (heads_q,) or (batch, heads_q).
+        deterministic: a bitwise repeatable backward pass.
+        return_attn_probs: also return softmax_lse and S_dmask (always None here, see the module docstring).
+    Returns:
+        out (batch, seqlen_q, heads_q, head_dim_v); with return_attn_probs, ``(out, softmax_lse, None)`` where
+        softmax_lse is fp32 (batch, heads_q, seqlen_q).
+    """
+    _check_dropout(dropout_p)
+    result = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                       softcap=softcap, alibi_slopes=alibi_slopes, return_lse=bool(return_attn_probs),
+                       deterministic=deterministic)
+    return _result(result, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """As :func:`flash_attn_func` with q, k and v stacked: qkv is (batch, seqlen, 3, heads, head_dim)."""
+    q, k, v = _unpack("qkv", qkv, QKV_PACKED, 5, "(batch, seqlen, 3, heads, head_dim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """As :func:`flash_attn_func` with k and v stacked: kv is (batch, seqlen_k, 2, heads_kv, head_dim)."""
+    k, v = _unpack("kv", kv, KV_PACKED, 5, "(batch, seqlen_k, 2, heads_kv, head_dim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """Attention over sequences packed without padding, as ``flash_attn.flash_attn_varlen_func``.
+
+    Args:
+        q: (total_q, heads_q, head_dim); k: (total_k, heads_kv, head_dim); v: (total_k, heads_kv, head_dim_v).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets; sequence b is rows cu[b]:cu[b + 1].
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths.
+        block_table: must be None (a paged KV cache is not supported).
+        Other arguments as in :func:`flash_attn_func`.
+    Returns:
+        out (total_q, heads_q, head_dim_v); with return_attn_probs, ``(out, softmax_lse, None)`` where
+        softmax_lse is fp32 (heads_q, total_q).
+    """
+    _check_dropout(dropout_p)
+    if block_table is not None:
+        raise ValueError("block_table (a paged KV cache) is not supported: pass block_table=None")
+    result = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int(max_seqlen_q), _as_int(max_seqlen_k),
+                              causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                              alibi_slopes=alibi_slopes, return_lse=bool(return_attn_probs),
+                              deterministic=deterministic)
+    return _result(result, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """As :func:`flash_attn_varlen_func` with q, k and v stacked: qkv is (total, 3, heads, head_dim)."""
+    q, k, v = _unpack("qkv", qkv, QKV_PACKED, 4, "(total, 3, heads, head_dim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """As :func:`flash_attn_varlen_func` with k and v stacked: kv is (total_k, 2, heads_kv, head_dim)."""
+    k, v = _unpack("kv", kv, KV_PACKED, 4, "(total_k, 2, heads_kv, head_dim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

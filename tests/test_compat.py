@@ -1,0 +1,472 @@
+"""The front doors: FlashAttention-2's functions, torch's SDPA and the Hugging Face attention implementation."""
+
+import contextlib
+import copy
+import inspect
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashtile
+from flashtile.compat import FallbackWarning, hf
+from flashtile.compat._warn import reset_warnings
+from flashtile.reference import attention_ref
+
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings():
+    reset_warnings()
+    yield
+    reset_warnings()
+
+
+def rand(*shape, seed=0, requires_grad=False):
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return t.requires_grad_(requires_grad)
+
+
+def dense(batch=2, sq=9, sk=13, hq=4, hkv=2, d=16, dv=None):
+    return rand(batch, sq, hq, d, seed=1), rand(batch, sk, hkv, d, seed=2), rand(batch, sk, hkv, dv or d, seed=3)
+
+
+# ---- FlashAttention-2 ----------------------------------------------------------------------------------------
+
+FA2_OPTIONS = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+               ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False)]
+FA2_SIGNATURES = {
+    "flash_attn_func": ["q", "k", "v"],
+    "flash_attn_qkvpacked_func": ["qkv"],
+    "flash_attn_kvpacked_func": ["q", "kv"],
+    "flash_attn_varlen_func": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"],
+    "flash_attn_varlen_qkvpacked_func": ["qkv", "cu_seqlens", "max_seqlen"],
+    "flash_attn_varlen_kvpacked_func": ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FA2_SIGNATURES))
+def test_fa2_signatures(name):
+    expected = [(p, inspect.Parameter.empty) for p in FA2_SIGNATURES[name]] + FA2_OPTIONS
+    if name == "flash_attn_varlen_func":
+        expected.append(("block_table", None))
+    params = inspect.signature(getattr(flashtile.compat, name)).parameters.values()
+    assert [(p.name, p.default) for p in params] == expected
+    assert all(p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+
+
+def test_fa2_names_are_exported_at_top_level():
+    for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
+                 "flash_attn_kvpacked_func", "sdpa", "register_hf"):
+        assert name in flashtile.__all__ and getattr(flashtile, name) is getattr(flashtile.compat, name)
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (True, (3, -1), 0.0), (False, (2, 1), 5.0)])
+def test_flash_attn_func_positional_like_fa2_users(causal, window, softcap):
+    q, k, v = dense()
+    slopes = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    out, lse, s_dmask = flashtile.flash_attn_func(q, k, v, 0.0, 0.3, causal, window, softcap, slopes, False, True)
+    ref_out, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=0.3, window_size=window, softcap=softcap,
+                                     alibi_slopes=slopes)
+    assert s_dmask is None and out.shape == (2, 9, 4, 16) and lse.shape == (2, 4, 9) and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=ATOL)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=ATOL)
+
+
+def test_flash_attn_func_defaults_return_only_out():
+    q, k, v = dense()
+    out = flashtile.flash_attn_func(q, k, v)
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(out, flashtile.attention(q, k, v), rtol=0, atol=0)
+    torch.testing.assert_close(out.double(), attention_ref(q, k, v)[0], rtol=0, atol=ATOL)
+    causal = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
+    torch.testing.assert_close(causal.double(), attention_ref(q, k, v, causal=True)[0], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 1e-9])
+def test_dropout_is_refused(dropout_p):
+    q, k, v = dense()
+    with pytest.raises(ValueError, match="dropout is not supported yet"):
+        flashtile.flash_attn_func(q, k, v, dropout_p)
+    with pytest.raises(ValueError, match="dropout is not supported yet"):
+        flashtile.flash_attn_qkvpacked_func(rand(1, 5, 3, 2, 8), dropout_p=dropout_p)
+    with pytest.raises(TypeError, match="dropout_p"):
+        flashtile.flash_attn_func(q, k, v, "0.1")
+
+
+def varlen_batch(lengths_q=(3, 7, 1), lengths_k=(5, 7, 4), hq=4, hkv=2, d=16):
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = rand(sum(lengths_q), hq, d, seed=4)
+    k, v = rand(sum(lengths_k), hkv, d, seed=5), rand(sum(lengths_k), hkv, d, seed=6)
+    return q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k)
+
+
+def test_flash_attn_varlen_func_matches_each_sequence():
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_batch()
+    out, lse, s_dmask = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, None, True,
+                                                         (-1, -1), 0.0, None, False, True, None)
+    assert s_dmask is None and lse.shape == (4, q.shape[0])
+    for b in range(3):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ref_out, ref_lse = attention_ref(q[sq][None], k[sk][None], v[sk][None], causal=True)
+        torch.testing.assert_close(out[sq].double(), ref_out[0], rtol=0, atol=ATOL)
+        torch.testing.assert_close(lse[:, sq].double(), ref_lse[0], rtol=0, atol=ATOL)
+    as_tensors = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, torch.tensor(max_q), torch.tensor(max_k),
+                                                  causal=True)
+    torch.testing.assert_close(as_tensors, out, rtol=0, atol=0)
+
+
+def test_block_table_is_refused():
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_batch()
+    with pytest.raises(ValueError, match="block_table"):
+        flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, block_table=torch.zeros(3, 1))
+
+
+def grads_of(fn, *tensors):
+    out = fn(*tensors)
+    out.backward(rand(*out.shape, seed=7))
+    return out, [t.grad for t in tensors]
+
+
+def test_qkvpacked_gives_gradients_to_the_packed_tensor():
+    qkv = rand(2, 11, 3, 4, 16, seed=8, requires_grad=True)
+    out, (grad,) = grads_of(lambda t: flashtile.flash_attn_qkvpacked_func(t, causal=True), qkv)
+    q, k, v = (qkv.detach()[:, :, i].clone().requires_grad_() for i in range(3))
+    ref, grads = grads_of(lambda *t: flashtile.flash_attn_func(*t, causal=True), q, k, v)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(grad, torch.stack(grads, dim=2), rtol=0, atol=ATOL)
+    assert grad.abs().sum() > 0
+
+
+def test_kvpacked_gqa_gives_gradients_to_the_packed_tensor():
+    q = rand(2, 7, 4, 16, seed=9, requires_grad=True)
+    kv = rand(2, 12, 2, 2, 16, seed=10, requires_grad=True)
+    out, (grad_q, grad_kv) = grads_of(lambda a, b: flashtile.flash_attn_kvpacked_func(a, b, softmax_scale=0.2), q, kv)
+    k, v = (kv.detach()[:, :, i].clone().requires_grad_() for i in range(2))
+    q2 = q.detach().clone().requires_grad_()
+    ref, (ref_q, ref_k, ref_v) = grads_of(lambda *t: flashtile.flash_attn_func(*t, softmax_scale=0.2), q2, k, v)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(grad_q, ref_q, rtol=0, atol=ATOL)
+    torch.testing.assert_close(grad_kv, torch.stack([ref_k, ref_v], dim=2), rtol=0, atol=ATOL)
+
+
+def test_varlen_packed_variants():
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_batch(lengths_q=(3, 7, 1), lengths_k=(3, 7, 1), hkv=4)
+    qkv = torch.stack([q, k, v], dim=1).requires_grad_()
+    out, (grad,) = grads_of(lambda t: flashtile.flash_attn_varlen_qkvpacked_func(t, cu_q, 7, causal=True), qkv)
+    ref = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_q, 7, 7, causal=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert grad.shape == qkv.shape and grad.abs().sum() > 0
+
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_batch()
+    kv = torch.stack([k, v], dim=1).requires_grad_()
+    out, lse, none = flashtile.compat.flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, max_q, max_k,
+                                                                      return_attn_probs=True)
+    ref, ref_lse = flashtile.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    out.sum().backward()
+    assert none is None and kv.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda: flashtile.flash_attn_qkvpacked_func(rand(2, 5, 2, 4, 8)), ValueError, r"qkv must have shape"),
+    (lambda: flashtile.flash_attn_qkvpacked_func(rand(5, 3, 4, 8)), ValueError, r"qkv must have shape"),
+    (lambda: flashtile.flash_attn_kvpacked_func(rand(2, 5, 4, 8), rand(2, 5, 3, 4, 8)), ValueError, r"kv must"),
+    (lambda: flashtile.flash_attn_kvpacked_func(rand(2, 5, 4, 8), [1, 2]), TypeError, r"kv must be a torch.Tensor"),
+    (lambda: flashtile.flash_attn_func(rand(2, 5, 4, 8), rand(2, 5, 3, 8), rand(2, 5, 3, 8)), ValueError, "heads"),
+    (lambda: flashtile.flash_attn_func(*dense(), window_size=(-2, 0)), ValueError, "window_size"),
+    (lambda: flashtile.flash_attn_varlen_func(*varlen_batch()[:5], 7, "7"), ValueError, "max_seqlen_k"),
+])
+def test_fa2_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+# ---- torch SDPA ---------------------------------------------------------------------------------------------
+
+def bhsd(batch=2, hq=4, hkv=4, sq=9, sk=9, d=16, dv=None, requires_grad=False, dtype=torch.float32):
+    q = rand(batch, hq, sq, d, seed=11, requires_grad=False).to(dtype)
+    k = rand(batch, hkv, sk, d, seed=12).to(dtype)
+    v = rand(batch, hkv, sk, dv or d, seed=13).to(dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+@contextlib.contextmanager
+def no_fallback():
+    """A context in which any FallbackWarning fails the test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        yield
+
+
+def test_sdpa_signature_is_torchs():
+    params = inspect.signature(flashtile.sdpa).parameters.values()
+    assert [(p.name, p.default, p.kind == inspect.Parameter.KEYWORD_ONLY) for p in params] == [
+        ("query", inspect.Parameter.empty, False), ("key", inspect.Parameter.empty, False),
+        ("value", inspect.Parameter.empty, False), ("attn_mask", None, False), ("dropout_p", 0.0, False),
+        ("is_causal", False, False), ("scale", None, True), ("enable_gqa", False, True)]
+
+
+@pytest.mark.parametrize("sq,sk", [(9, 9), (5, 12), (12, 5), (1, 7)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_matches_torch(sq, sk, is_causal):
+    q, k, v = bhsd(sq=sq, sk=sk, dv=24)
+    with no_fallback():
+        out = flashtile.sdpa(q, k, v, is_causal=is_causal)
+    assert out.shape == (2, 4, sq, 24)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=is_causal), rtol=0, atol=ATOL)
+
+
+def test_sdpa_positional_scale_gqa_and_mqa():
+    q, k, v = bhsd(hkv=2, sq=6, sk=10)
+    with no_fallback():
+        out = flashtile.sdpa(q, k, v, None, 0.0, True, scale=0.25, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(q, k, v, None, 0.0, True, scale=0.25, enable_gqa=True)
+        torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
+        q, k, v = bhsd(hkv=1)  # one key/value head broadcasts in torch without enable_gqa
+        torch.testing.assert_close(flashtile.sdpa(q, k, v), F.scaled_dot_product_attention(q, k, v), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("sq,sk", [(5, 12), (12, 5)])
+def test_sdpa_gradients_match_torch(sq, sk):
+    q, k, v = bhsd(hkv=2, sq=sq, sk=sk, requires_grad=True)
+    out, grads = grads_of(lambda *t: flashtile.sdpa(*t, is_causal=True, enable_gqa=True), q, k, v)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref, ref_grads = grads_of(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=True),
+                              q2, k2, v2)
+    torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, rtol=0, atol=ATOL)
+
+
+def test_sdpa_heads_mismatch_without_enable_gqa_fails_like_torch():
+    q, k, v = bhsd(hkv=2)
+    with pytest.raises(RuntimeError) as torch_error:
+        F.scaled_dot_product_attention(q, k, v)
+    with no_fallback(), pytest.raises(RuntimeError) as ours:
+        flashtile.sdpa(q, k, v)
+    assert str(ours.value) == str(torch_error.value)
+
+
+def test_sdpa_mask_falls_back_to_torch_and_warns_once():
+    q, k, v = bhsd(sq=6, sk=8)
+    mask = rand(6, 8, seed=14) > 0
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        first = flashtile.sdpa(q, k, v, attn_mask=mask)
+        second = flashtile.sdpa(q, k, v, mask)
+    assert [(w.category, "attn_mask" in str(w.message)) for w in record] == [(FallbackWarning, True)]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(first, expected, rtol=0, atol=0)
+    torch.testing.assert_close(second, expected, rtol=0, atol=0)
+
+
+def test_sdpa_dropout_and_fp64_fall_back_to_torch():
+    q, k, v = bhsd()
+    torch.manual_seed(3)
+    with pytest.warns(FallbackWarning, match="dropout_p"):
+        ours = flashtile.sdpa(q, k, v, dropout_p=0.3)
+    torch.manual_seed(3)
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, dropout_p=0.3), rtol=0, atol=0)
+    q, k, v = bhsd(dtype=torch.float64)
+    with pytest.warns(FallbackWarning, match="float64"):
+        out = flashtile.sdpa(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=0, atol=0)
+
+
+def test_sdpa_three_dim_inputs_fall_back():
+    q, k, v = (t[0] for t in bhsd())
+    with pytest.warns(FallbackWarning, match="4-D"):
+        out = flashtile.sdpa(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=0, atol=0)
+
+
+def outcome(fn, *args):
+    try:
+        return fn(*args)
+    except (RuntimeError, TypeError, ValueError) as error:
+        return type(error), str(error)
+
+
+def test_sdpa_inputs_torch_rejects_behave_as_in_torch():
+    q, k, v = bhsd()
+    with no_fallback():
+        for args in [(q, k.half(), v), (q, k, v[:, :, :5]), ("q", k, v), (q, k[..., :8], v)]:
+            ours, theirs = outcome(flashtile.sdpa, *args), outcome(F.scaled_dot_product_attention, *args)
+            if isinstance(theirs, torch.Tensor):
+                torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+            else:
+                assert ours == theirs
+
+
+def test_import_flashtile_does_not_import_transformers():
+    code = "import sys, flashtile; assert 'transformers' not in sys.modules, 'transformers was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": ":".join(sys.path)})
+
+
+# ---- Hugging Face transformers ------------------------------------------------------------------------------
+
+def test_match_pattern_reads_masks():
+    causal = hf._causal_pattern(4, 6, -1, "cpu")
+    assert causal.tolist()[0] == [True, True, True, False, False, False]
+    assert hf._match_pattern(causal[None, None].expand(2, 1, 4, 6)) == (True, -1)
+    window = hf._causal_pattern(4, 6, 1, "cpu")
+    assert hf._match_pattern(window[None, None]) == (True, 1)
+    assert hf._match_pattern(torch.ones(1, 1, 3, 5, dtype=torch.bool)) == (False, -1)
+    additive = torch.zeros(1, 1, 4, 6).masked_fill(~causal, torch.finfo(torch.float32).min)
+    assert hf._match_pattern(additive) == (True, -1)
+    assert hf._match_pattern(additive.masked_fill(~causal, -1.0)) is None          # a bias, not a mask
+    padded = causal[None, None].repeat(2, 1, 1, 1)
+    padded[1, :, :, 0] = False
+    assert hf._match_pattern(padded) is None
+
+
+def tiny_llama(implementation, seed=0, **overrides):
+    transformers = pytest.importorskip("transformers")
+    options = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 128}
+    config = transformers.LlamaConfig(**{**options, **overrides})
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=implementation)
+
+
+@pytest.fixture
+def counted_calls(monkeypatch):
+    """Record the causal flag and window of every call the HF integration makes to flashtile.attention."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["causal"], kwargs["window_size"]))
+        return flashtile.attention(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "attention", spy)
+    return calls
+
+
+def model_pair(**overrides):
+    pytest.importorskip("transformers")
+    name = flashtile.register_hf()
+    ours, theirs = tiny_llama(name, **overrides), tiny_llama("sdpa", **overrides)
+    theirs.load_state_dict(ours.state_dict())
+    assert ours.config._attn_implementation == name and theirs.config._attn_implementation == "sdpa"
+    return ours, theirs
+
+
+def test_register_hf_is_idempotent():
+    transformers = pytest.importorskip("transformers")
+    assert flashtile.register_hf() == flashtile.register_hf() == hf.ATTN_IMPLEMENTATION
+    assert "flash" not in hf.ATTN_IMPLEMENTATION and "sdpa" not in hf.ATTN_IMPLEMENTATION
+    assert transformers.AttentionInterface()[hf.ATTN_IMPLEMENTATION] is hf.flashtile_attention_forward
+    masks = transformers.masking_utils.AttentionMaskInterface()
+    assert masks[hf.ATTN_IMPLEMENTATION] is masks["sdpa"]
+
+
+def test_hf_llama_logits_gradients_and_training(counted_calls):
+    ours, theirs = model_pair()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(15))
+    with no_fallback():
+        out = ours(ids, labels=ids)
+    ref = theirs(ids, labels=ids)
+    assert counted_calls == [(True, (-1, -1))] * 2   # both layers served by flashtile
+    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=ATOL)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = ours(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_hf_generate_with_kv_cache(counted_calls):
+    ours, theirs = model_pair()
+    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(16))
+    with no_fallback():
+        tokens = ours.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(tokens, theirs.generate(prompt, max_new_tokens=6, do_sample=False))
+    assert counted_calls[:2] == [(True, (-1, -1))] * 2 and len(counted_calls) == 2 * 6   # prefill, then decoding
+
+
+def test_hf_sliding_window_mask_is_served(counted_calls):
+    pytest.importorskip("transformers")
+    name = flashtile.register_hf()
+    transformers = sys.modules["transformers"]
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        max_position_embeddings=128, sliding_window=4)
+    models = []
+    for implementation in (name, "sdpa"):
+        torch.manual_seed(0)
+        models.append(transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                                    attn_implementation=implementation))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(17))
+    with no_fallback():
+        logits = models[0](ids).logits
+    assert counted_calls == [(True, (3, -1))] * 2
+    torch.testing.assert_close(logits, models[1](ids).logits, rtol=0, atol=ATOL)
+
+
+def test_hf_padding_mask_falls_back_to_sdpa_once(counted_calls):
+    ours, theirs = model_pair()
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(18))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    with pytest.warns(FallbackWarning, match="padding") as record:
+        logits = ours(ids, attention_mask=mask).logits
+    assert len(record) == 1 and counted_calls == []
+    torch.testing.assert_close(logits, theirs(ids, attention_mask=mask).logits, rtol=0, atol=ATOL)
+    with no_fallback():
+        ours(ids, attention_mask=torch.ones(2, 10, dtype=torch.long))   # all ones: no padding, flashtile serves it
+    assert len(counted_calls) == 2
+
+
+def test_hf_no_mask_with_more_keys_means_top_left_causal_as_in_sdpa():
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    q, k, v = bhsd(hkv=2, sq=4, sk=9)   # a prefill into a static cache whose last slots are still empty
+    with no_fallback():
+        out, weights = hf.flashtile_attention_forward(module, q, k, v, None, scaling=0.3)
+    ref, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.3)
+    assert weights is None and out.shape == (2, 4, 4, 16) and transformers is sys.modules["transformers"]
+    torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
+
+
+def test_hf_softcap_served_and_padding_falls_back_to_eager(counted_calls):
+    transformers = pytest.importorskip("transformers")
+    name = flashtile.register_hf()
+    config = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                                       max_position_embeddings=128, sliding_window=4, attn_logit_softcapping=1.0,
+                                       initializer_range=0.5)  # scores large enough for the cap to matter
+    models = []
+    for implementation in (name, "eager"):
+        torch.manual_seed(0)
+        models.append(transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                                    attn_implementation=implementation))
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(19))
+    with no_fallback():
+        logits = models[0](ids).logits
+    assert sorted(counted_calls) == [(True, (-1, -1)), (True, (3, -1))]   # one full layer, one sliding layer
+    torch.testing.assert_close(logits, models[1](ids).logits, rtol=ATOL, atol=ATOL)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 7:] = 0
+    with pytest.warns(FallbackWarning, match="eager"):
+        logits = models[0](ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits, models[1](ids, attention_mask=mask).logits, rtol=ATOL, atol=ATOL)
