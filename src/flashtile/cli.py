@@ -110,8 +110,9 @@ def cmd_bench(args) -> int:
             print("No CUDA GPU here: the standard matrix needs one (try `flashtile bench ladder` for the CPU path).")
             return 1
         doc = matrix_bench.run(_DTYPES[args.dtype], reps=args.reps, progress=lambda r: print(
-            f"  d={r['d']} n={r['n']} causal={int(r['causal'])}: flashtile {r['tflops']['flashtile']:.0f} TFLOP/s, "
-            f"{r['vs_flash']:.2f}x sdpa-flash, {r['vs_best']:.2f}x best", flush=True))
+            f"  d={r['d']} n={r['n']} causal={int(r['causal'])} {r['pass']}: flashtile "
+            f"{r['tflops']['flashtile'] or 0:.0f} TFLOP/s, {r['vs_flash'] or 0:.2f}x sdpa-flash, "
+            f"{r['vs_best'] or 0:.2f}x best", flush=True))
     else:
         if not torch.cuda.is_available():
             print("No CUDA GPU here: timing the CPU path (chunked online softmax) against torch's CPU SDPA instead.")

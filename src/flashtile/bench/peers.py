@@ -38,3 +38,27 @@ def sdpa_runner(backend: str, q, k, v, causal: bool) -> Callable[[], torch.Tenso
     except RuntimeError:  # backend not built, not supported for this dtype/shape/GPU
         return None
     return run
+
+
+
+def sdpa_backward_runner(backend: str, q, k, v, causal: bool) -> Callable[[], object] | None:
+    """The same for the backward pass alone: one forward outside the timing, then dQ, dK, dV per call."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    forward = sdpa_runner(backend, *leaves, causal)
+    return None if forward is None else backward_runner(forward, leaves)
+
+
+def backward_runner(forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], object] | None:
+    """Run `forward` once, keeping its graph; the callable returned reruns only the backward through it."""
+    try:
+        out = forward()
+        dout = torch.randn_like(out)
+
+        def run():
+            return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+        run()
+        torch.cuda.synchronize()
+    except RuntimeError:  # no backward for this backend, dtype or shape
+        return None
+    return run
