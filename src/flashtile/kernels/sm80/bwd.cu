@@ -390,7 +390,9 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
             }
         }
         if (turn != nullptr) {
-            __threadfence();
+            // The barrier orders every thread's reductions before thread 0's release, and a release is
+            // cumulative: one fence-free store hands the turn on (a fence per thread would stall each of
+            // them until its reductions had landed: 1.48x the default time instead of 1.39x).
             __syncthreads();
             if (threadIdx.x == 0) store_release(turn, my_turn + 1);
         }
