@@ -80,3 +80,15 @@ def test_mixed_devices_are_refused():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="one device"):
         flashtile.attention(q, k.to("meta"), v)
+
+
+def test_plan_signature_covers_tensors_and_options():
+    """The cached-plan key: None for non-tensors or unhashable options (the full path then explains)."""
+    from flashtile import api
+
+    q = torch.randn(1, 8, 2, 16)
+    key = api._signature(q, q, q, (False, None, (-1, -1)))
+    assert key is not None and key != api._signature(q, q, q, (True, None, (-1, -1)))
+    assert key != api._signature(q.transpose(1, 2), q, q, (False, None, (-1, -1)))
+    assert api._signature(q, q, q, (False, None, [-1, -1])) is None
+    assert api._signature(q.numpy(), q, q, (False, None, (-1, -1))) is None

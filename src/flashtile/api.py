@@ -98,6 +98,7 @@ def _differentiable(q, k, v, rung) -> bool:
 # Input signature (shapes, strides, dtypes, devices, options) -> the LaunchPlan its first call produced. A
 # repeated call checks nothing again: everything the checks looked at is in the signature.
 _plans: dict[tuple, dispatch.LaunchPlan] = {}
+MAX_PLANS = 4096  # inference over ever-new shapes (e.g. a growing KV length) must not grow the cache forever
 
 
 def _signature(q, k, v, options: tuple) -> tuple | None:
@@ -160,6 +161,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         if key is not None and problem.q is q and problem.k is k and problem.v is v:  # no operand was copied
             plan = dispatch.plan_for(problem, rung)
             if plan is not None:
+                if len(_plans) >= MAX_PLANS:
+                    _plans.clear()
                 _plans[key] = plan
     elif q.device.type == "cpu":
         if rung != "auto":
