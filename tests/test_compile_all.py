@@ -38,3 +38,9 @@ def test_host_shared_memory_size_matches_the_kernel(spec, kernel_copy, monkeypat
                                      f'"specs.py smem_bytes disagrees with SharedStorage");\n')
     monkeypatch.setattr(jit, "KERNEL_ROOT", kernel_copy)
     jit.compile_spec(specs.KernelSpec(probe, spec.entries, spec.dtype, spec.arch, spec.defines, spec.smem_bytes))
+
+
+@pytest.mark.parametrize("arch", specs.TEST_ARCHS)
+def test_every_spec_fits_the_shared_memory_of_its_arch(arch):
+    for spec in specs.all_specs(arch):
+        assert spec.smem_bytes <= specs.SMEM_LIMIT[arch], f"{spec.name}: {spec.smem_bytes} B"
