@@ -61,8 +61,10 @@ BAD = [
     ("bad window", lambda q, k, v, kw: (q, k, v, {**kw, "window_size": (-2, 3)}), ValueError, ["window_size"]),
     ("window not a pair", lambda q, k, v, kw: (q, k, v, {**kw, "window_size": 5}), ValueError, ["window_size"]),
     ("negative softcap", lambda q, k, v, kw: (q, k, v, {**kw, "softcap": -1.0}), ValueError, ["softcap"]),
-    ("alibi wrong shape", lambda q, k, v, kw: (q, k, v, {**kw, "alibi_slopes": torch.rand(3)}), ValueError, ["alibi_slopes"]),
-    ("alibi wrong dtype", lambda q, k, v, kw: (q, k, v, {**kw, "alibi_slopes": torch.rand(4).half()}), TypeError, ["alibi_slopes"]),
+    ("alibi wrong shape", lambda q, k, v, kw: (q, k, v, {**kw, "alibi_slopes": torch.rand(3)}), ValueError,
+     ["alibi_slopes"]),
+    ("alibi wrong dtype", lambda q, k, v, kw: (q, k, v, {**kw, "alibi_slopes": torch.rand(4).half()}), TypeError,
+     ["alibi_slopes"]),
 ]
 
 

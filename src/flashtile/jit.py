@@ -243,7 +243,8 @@ def compile_spec(spec: KernelSpec, *, use_cache: bool = True) -> CompiledModule:
             module = _read_entry(stem, spec, key) if use_cache else None
             if module is None:
                 cubin, log = _nvrtc_compile(spec)
-                module = CompiledModule(spec, cubin, parse_resources(log, cubin, spec.entries), log, origin="nvrtc", key=key)
+                module = CompiledModule(spec, cubin, parse_resources(log, cubin, spec.entries), log, origin="nvrtc",
+                                        key=key)
                 meta = {"key": key, "spec": spec.name, "sha256": hashlib.sha256(cubin).hexdigest(),
                         "resources": {n: r.__dict__ for n, r in module.resources.items()}, "log": log}
                 _atomic_write(stem.with_suffix(".cubin"), cubin)

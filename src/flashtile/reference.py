@@ -144,7 +144,7 @@ def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=
         rows = torch.arange(row0, row1, device=q.device)
         q_blk = qh[:, :, :, row0:row1]
         m = torch.full((batch, heads_kv, group, row1 - row0), float("-inf"), dtype=acc_dtype, device=q.device)
-        l = torch.zeros_like(m)
+        denom = torch.zeros_like(m)
         acc = torch.zeros(batch, heads_kv, group, row1 - row0, v.shape[-1], dtype=acc_dtype, device=q.device)
         key_begin, key_end = _key_range(row0, row1, seqlen_q, seqlen_k, left, right)
         for col0 in range(key_begin, key_end, key_chunk):
@@ -157,12 +157,12 @@ def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=
             shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # nothing visible yet
             correction = torch.exp(m - shift)
             p = torch.exp(s - shift[..., None])
-            l = l * correction + p.sum(dim=-1)
+            denom = denom * correction + p.sum(dim=-1)
             acc = acc * correction[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", p, vh[:, :, col0:col1])
             m = m_new
-        seen = l > 0
-        out[:, :, :, row0:row1] = torch.where(seen[..., None], acc / l.clamp_min(1e-38)[..., None], 0.0)
-        lse[:, :, :, row0:row1] = torch.where(seen, m + torch.log(l.clamp_min(1e-38)), float("-inf"))
+        seen = denom > 0
+        out[:, :, :, row0:row1] = torch.where(seen[..., None], acc / denom.clamp_min(1e-38)[..., None], 0.0)
+        lse[:, :, :, row0:row1] = torch.where(seen, m + torch.log(denom.clamp_min(1e-38)), float("-inf"))
 
     return _merge_heads(out).to(q.dtype), lse.reshape(batch, heads_q, seqlen_q).float()
 

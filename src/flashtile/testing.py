@@ -35,7 +35,8 @@ class Comparison:
     def __str__(self) -> str:
         return (f"out err {self.out_error:.2e} (torch {self.out_error_torch:.2e}), "
                 f"lse err {self.lse_error:.2e} (torch {self.lse_error_torch:.2e})"
-                + ("" if self.finite else ", NON-FINITE OUTPUT") + (", -inf LSE MISMATCH" if self.lse_inf_mismatch else ""))
+                + ("" if self.finite else ", NON-FINITE OUTPUT")
+                + (", -inf LSE MISMATCH" if self.lse_inf_mismatch else ""))
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
