@@ -70,8 +70,31 @@ def cmd_check(args) -> int:
                 label = f"{rung.number} {rung.name}" if rung else "cpu-chunked"
                 print(f"{'ok  ' if result.ok else 'FAIL'} {label:<12} {str(dtype):<15} "
                       f"b={b} sq={sq} sk={sk} hq={hq} hkv={hkv} d={d} causal={int(causal)}  {result}")
+    failures += _check_backward(device, gen)
     print(f"{failures} failure(s)" if failures else "all checks passed")
     return 1 if failures else 0
+
+
+def _check_backward(device: str, gen: torch.Generator) -> int:
+    """dQ, dK, dV of `flashtile.attention` against fp64 autograd of the reference; returns the failure count."""
+    from . import api
+    from .testing import compare_grads
+
+    failures = 0
+    for dtype in (torch.float16, torch.bfloat16) if device == "cuda" else (torch.float32,):
+        for (b, sq, sk, hq, hkv, d), causal in _check_cases():
+            if device == "cpu" and sq * sk > 400_000:
+                continue
+            q, k, v = (torch.randn(b, s, h, d, device=device, generator=gen).to(dtype).requires_grad_()
+                       for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+            out = api.attention(q, k, v, causal=causal)
+            dout = torch.randn(out.shape, device=device, generator=gen).to(dtype)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            result = compare_grads(q, k, v, dout, grads, causal=causal)
+            failures += not result.ok
+            print(f"{'ok  ' if result.ok else 'FAIL'} {'backward':<12} {str(dtype):<15} "
+                  f"b={b} sq={sq} sk={sk} hq={hq} hkv={hkv} d={d} causal={int(causal)}  {result}")
+    return failures
 
 
 def cmd_compile(args) -> int:
