@@ -121,6 +121,15 @@ def _key_range(row0: int, row1: int, seqlen_q: int, seqlen_k: int, left: int, ri
     return begin, end
 
 
+def _chunked_setup(q, k, v, causal, softmax_scale, window_size, alibi_slopes):
+    """What the chunked forward and backward both start from: accumulator dtype, scale, window bounds, and
+    the inputs split into (batch, heads_kv, group, ...) heads in that dtype."""
+    acc_dtype = _accumulator_dtype(q.dtype)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    left, right = effective_window(causal, window_size)
+    return (acc_dtype, scale, left, right, *_split_heads(q, k, v, alibi_slopes, acc_dtype))
+
+
 def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                       alibi_slopes=None, query_chunk=QUERY_CHUNK, key_chunk=KEY_CHUNK):
     """FlashAttention's algorithm in plain PyTorch: stream keys in chunks with an online softmax.
@@ -131,10 +140,8 @@ def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=
     """
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
-    acc_dtype = _accumulator_dtype(q.dtype)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    left, right = effective_window(causal, window_size)
-    qh, kh, vh, slopes = _split_heads(q, k, v, alibi_slopes, acc_dtype)
+    acc_dtype, scale, left, right, qh, kh, vh, slopes = _chunked_setup(q, k, v, causal, softmax_scale,
+                                                                       window_size, alibi_slopes)
     heads_kv, group = qh.shape[1], qh.shape[2]
     out = torch.empty(batch, heads_kv, group, seqlen_q, v.shape[-1], dtype=acc_dtype, device=q.device)
     lse = torch.empty(batch, heads_kv, group, seqlen_q, dtype=acc_dtype, device=q.device)
@@ -201,10 +208,8 @@ def attention_chunked_backward(dout, q, k, v, out, lse, *, causal=False, softmax
     """
     batch, seqlen_q = q.shape[:2]
     seqlen_k = k.shape[1]
-    acc_dtype = _accumulator_dtype(q.dtype)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    left, right = effective_window(causal, window_size)
-    qh, kh, vh, slopes = _split_heads(q, k, v, alibi_slopes, acc_dtype)
+    acc_dtype, scale, left, right, qh, kh, vh, slopes = _chunked_setup(q, k, v, causal, softmax_scale,
+                                                                       window_size, alibi_slopes)
     heads_kv, group = qh.shape[1], qh.shape[2]
     doh = _group_heads(dout, heads_kv, acc_dtype)
     delta = (doh * _group_heads(out, heads_kv, acc_dtype)).sum(dim=-1)
