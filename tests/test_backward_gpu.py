@@ -6,46 +6,16 @@ import pytest
 import torch
 
 import flashtile
+from feature_cases import DTYPES, case_id, feature_cases, feature_options
 from flashtile.reference import attention_ref, varlen_apply
 from flashtile.testing import compare_grads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (40, 40), (136, 136)]
-FEATURES = [
-    {},
-    {"causal": True},
-    {"window_size": (100, 0)},
-    {"window_size": (50, 50)},
-    {"softcap": 30.0},
-    {"alibi": True},
-    {"causal": True, "softcap": 20.0, "alibi": True},
-    {"window_size": (64, 16), "alibi": True},
-    {"causal": True, "window_size": (300, -1), "softcap": 5.0},
-]
 SEQLENS = [(1, 1), (63, 63), (1000, 1000), (63, 1000), (1000, 63), (257, 129), (4097, 4097), (1, 300)]
-HEADS = [(4, 4), (8, 2), (6, 1)]
-DTYPES = [torch.float16, torch.bfloat16]
 
-
-def _cases():
-    cases = []
-    for n, ((d, dv), dtype, features) in enumerate(itertools.product(HEAD_DIMS, DTYPES, FEATURES)):
-        sq, sk = SEQLENS[(n * 5) % len(SEQLENS)]
-        hq, hkv = HEADS[n % len(HEADS)]
-        batch = 1 if sq * sk > 10**6 else 2
-        cases.append((batch, sq, sk, hq, hkv, d, dv, dtype, features))
-    return cases
-
-
-CASES = _cases()
-
-
-def _options(features, hq, batch, per_batch=False):
-    options = {k: v for k, v in features.items() if k != "alibi"}
-    if features.get("alibi"):
-        options["alibi_slopes"] = torch.rand((batch, hq) if per_batch else (hq,), device="cuda") * 0.3
-    return options
+CASES = feature_cases(HEAD_DIMS, SEQLENS)
 
 
 def _inputs(batch, sq, sk, hq, hkv, d, dv, dtype):
@@ -55,13 +25,12 @@ def _inputs(batch, sq, sk, hq, hkv, d, dv, dtype):
     return q, k, v
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"b{c[0]}-sq{c[1]}-sk{c[2]}-h{c[3]}:{c[4]}-d{c[5]}:{c[6]}-"
-                                             f"{str(c[7])[6:]}-{'+'.join(c[8]) or 'plain'}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_gradients_of_every_feature(case, poisoned_grads):
     batch, sq, sk, hq, hkv, d, dv, dtype, features = case
     torch.manual_seed(sum(map(ord, str(case))))
     q, k, v = _inputs(batch, sq, sk, hq, hkv, d, dv, dtype)
-    options = _options(features, hq, batch, per_batch=batch > 1 and sq % 2 == 1)
+    options = feature_options(features, hq, batch, per_batch=batch > 1 and sq % 2 == 1)
     out = flashtile.attention(q, k, v, **options)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -88,7 +57,7 @@ def test_varlen_gradients(lengths_q, lengths_k, features, d, dv, dtype, poisoned
     q = torch.randn(sum(lengths_q), hq, d, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(sum(lengths_k), hkv, d, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(sum(lengths_k), hkv, dv, device="cuda", dtype=dtype, requires_grad=True)
-    options = _options(features, hq, len(lengths_q), per_batch=True)
+    options = feature_options(features, hq, len(lengths_q), per_batch=True)
     out = flashtile.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **options)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)

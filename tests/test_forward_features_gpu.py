@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flashtile
+from feature_cases import DTYPES, case_id, feature_cases, feature_options
 from flashtile.reference import varlen_apply, attention_ref
 from flashtile.testing import compare, ERROR_RATIO, ABS_FLOOR
 
@@ -13,52 +14,19 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64),
              (40, 40), (72, 72), (136, 136), (200, 200), (8, 8)]
-FEATURES = [
-    {},
-    {"causal": True},
-    {"window_size": (100, 0)},
-    {"window_size": (50, 50)},
-    {"softcap": 30.0},
-    {"alibi": True},
-    {"causal": True, "softcap": 20.0, "alibi": True},
-    {"window_size": (64, 16), "alibi": True},
-    {"causal": True, "window_size": (300, -1), "softcap": 5.0},
-]
 SEQLENS = [(1, 1), (63, 63), (1000, 1000), (4097, 4097), (63, 1000), (1000, 63), (1, 4097), (257, 129)]
-HEADS = [(4, 4), (8, 2), (6, 1)]
-DTYPES = [torch.float16, torch.bfloat16]
+
+CASES = feature_cases(HEAD_DIMS, SEQLENS)
 
 
-def _cases():
-    cases = []
-    for n, ((d, dv), dtype, features) in enumerate(itertools.product(HEAD_DIMS, DTYPES, FEATURES)):
-        sq, sk = SEQLENS[(n * 5) % len(SEQLENS)]
-        hq, hkv = HEADS[n % len(HEADS)]
-        batch = 1 if sq * sk > 10**6 else 2
-        cases.append((batch, sq, sk, hq, hkv, d, dv, dtype, features))
-    return cases
-
-
-CASES = _cases()
-
-
-def _options(features, hq, batch, device="cuda", per_batch=False):
-    options = {k: v for k, v in features.items() if k != "alibi"}
-    if features.get("alibi"):
-        shape = (batch, hq) if per_batch else (hq,)
-        options["alibi_slopes"] = torch.rand(shape, device=device) * 0.3
-    return options
-
-
-@pytest.mark.parametrize("case", CASES, ids=[f"b{c[0]}-sq{c[1]}-sk{c[2]}-h{c[3]}:{c[4]}-d{c[5]}:{c[6]}-"
-                                             f"{str(c[7])[6:]}-{'+'.join(c[8]) or 'plain'}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_pipelined_feature_combinations(case, poisoned_outputs):
     batch, sq, sk, hq, hkv, d, dv, dtype, features = case
     torch.manual_seed(hash(str(case)) % 2**31)
     q = torch.randn(batch, sq, hq, d, device="cuda", dtype=dtype)
     k = torch.randn(batch, sk, hkv, d, device="cuda", dtype=dtype)
     v = torch.randn(batch, sk, hkv, dv, device="cuda", dtype=dtype)
-    options = _options(features, hq, batch, per_batch=batch > 1 and sq % 2 == 1)
+    options = feature_options(features, hq, batch, per_batch=batch > 1 and sq % 2 == 1)
     out, lse = flashtile.attention(q, k, v, return_lse=True, rung="pipelined", **options)
     result = compare(q, k, v, out, lse, **options)
     assert result.ok, f"{case}: {result}"
@@ -83,7 +51,7 @@ def test_varlen(lengths_q, lengths_k, features, d, dv, dtype, poisoned_outputs):
     q = torch.randn(sum(lengths_q), hq, d, device="cuda", dtype=dtype)
     k = torch.randn(sum(lengths_k), hkv, d, device="cuda", dtype=dtype)
     v = torch.randn(sum(lengths_k), hkv, dv, device="cuda", dtype=dtype)
-    options = _options(features, hq, len(lengths_q), per_batch=True)
+    options = feature_options(features, hq, len(lengths_q), per_batch=True)
     out, lse = flashtile.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                           return_lse=True, rung="pipelined", **options)
     slopes = options.pop("alibi_slopes", None)
