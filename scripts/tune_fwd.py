@@ -16,8 +16,10 @@ from flashtile.specs import KernelSpec
 CANDIDATES = {  # head_dim -> [(block_m, block_n, warps, stages)]
     64: [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (128, 32, 4, 3)],
     128: [(128, 32, 4, 2), (128, 32, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2)],
-    256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
+    256: [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)],
 }
+
+SEQLENS = (1024, 4096, 16384)
 
 
 def spec_of(d, bm, bn, warps, stages):
@@ -30,7 +32,7 @@ def spec_of(d, bm, bn, warps, stages):
 def main(dims):
     for d in dims:
         heads = 2048 // d
-        for seqlen in (4096, 16384):
+        for seqlen in SEQLENS:
             batch = 16384 // seqlen
             q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             for causal in (False, True):
