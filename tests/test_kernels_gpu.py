@@ -99,3 +99,12 @@ def test_runs_on_the_current_stream():
         out = flashtile.attention(q, q, q)
     side.synchronize()
     assert compare(q, q, q, out).ok
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensors_on_a_device_other_than_the_current_one():
+    """The launch enters the tensors' device even when torch's current device is another one."""
+    q, k, v = (torch.randn(1, 300, 4, 64, device="cuda:1", dtype=torch.bfloat16) for _ in range(3))
+    with torch.cuda.device(0):
+        out, lse = flashtile.attention(q, k, v, causal=True, return_lse=True)
+    assert out.device == q.device and compare(q, k, v, out, lse, causal=True).ok

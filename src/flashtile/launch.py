@@ -9,6 +9,7 @@ torch like any torch op.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import struct
 import threading
@@ -130,6 +131,7 @@ class _ParamsBuffer(threading.local):
 
 
 _params_buffer = _ParamsBuffer()
+_SAME_DEVICE = contextlib.nullcontext()
 
 
 def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int, params: tuple,
@@ -148,8 +150,12 @@ def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: i
         kernel.max_dynamic_smem = smem
     args = _params_buffer
     layout.pack_into(args.buffer, 0, *params)
-    _check(driver.cuLaunchKernel(kernel.function, *grid, block, 1, 1, smem, _current_stream(kernel.device),
-                                 args.argv_address, 0), "cuLaunchKernel")
+    # The driver launches into the calling thread's current context: it must be the primary context of the
+    # kernel's (and the tensors') device, which torch makes current when that device is its current one.
+    switch = _SAME_DEVICE if kernel.device == torch.cuda.current_device() else torch.cuda.device(kernel.device)
+    with switch:
+        _check(driver.cuLaunchKernel(kernel.function, *grid, block, 1, 1, smem, _current_stream(kernel.device),
+                                     args.argv_address, 0), "cuLaunchKernel")
 
 
 def _current_stream(device: int) -> int:
