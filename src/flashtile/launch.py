@@ -109,14 +109,17 @@ def load(spec: KernelSpec, device: int) -> LoadedModule:
     from cuda.core import Device, ObjectCode
 
     module = jit.compile_spec(spec)
-    Device(device).set_current()  # the primary context, shared with torch
-    code = ObjectCode.from_cubin(module.cubin, name=spec.name)
-    kernels = {}
-    for entry in spec.entries:
-        handle = code.get_kernel(entry).handle
-        if not isinstance(handle, driver.CUfunction):  # a library kernel: take its function in this context
-            handle = _check(driver.cuKernelGetFunction(handle), f"cuKernelGetFunction({entry})")
-        kernels[entry] = LoadedKernel(handle, device)
+    # Load into the device's primary context (shared with torch); torch.cuda.device puts the caller's current
+    # device back afterwards, so loading for another GPU does not move the caller.
+    with torch.cuda.device(device):
+        Device(device).set_current()
+        code = ObjectCode.from_cubin(module.cubin, name=spec.name)
+        kernels = {}
+        for entry in spec.entries:
+            handle = code.get_kernel(entry).handle
+            if not isinstance(handle, driver.CUfunction):  # a library kernel: take its function in this context
+                handle = _check(driver.cuKernelGetFunction(handle), f"cuKernelGetFunction({entry})")
+            kernels[entry] = LoadedKernel(handle, device)
     loaded = _loaded[key] = LoadedModule(spec, code, kernels)
     return loaded
 

@@ -1,0 +1,46 @@
+"""launch.launch on a machine without a GPU: the driver call is replaced by a recorder, so what is tested is
+which device is current when the kernel is queued (multi-GPU: tensors on a device other than torch's
+current one)."""
+
+import contextlib
+
+import pytest
+import torch
+
+from flashtile import launch
+
+cuda_bindings = pytest.importorskip("cuda.bindings")
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Current device 0; every cuLaunchKernel records the device current at that moment."""
+    from cuda.bindings import driver
+
+    state = {"current": 0, "launched_on": []}
+
+    @contextlib.contextmanager
+    def enter(device):
+        previous, state["current"] = state["current"], device
+        try:
+            yield
+        finally:
+            state["current"] = previous
+
+    def fake_launch(*args):
+        state["launched_on"].append(state["current"])
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current"])
+    monkeypatch.setattr(torch.cuda, "device", enter)
+    monkeypatch.setattr(driver, "cuLaunchKernel", fake_launch)
+    monkeypatch.setattr(launch, "_current_stream", lambda device: 0)
+    return state
+
+
+@pytest.mark.parametrize("device", [0, 1, 3])
+def test_launch_enters_the_kernels_device(recorded, device):
+    kernel = launch.LoadedKernel(function=object(), device=device, max_dynamic_smem=1 << 20)
+    launch.launch(kernel, (1, 1, 1), 32, 0, launch.param_values())
+    assert recorded["launched_on"] == [device]
+    assert recorded["current"] == 0  # the caller's current device is back
