@@ -1,4 +1,4 @@
-"""A tiny Llama from transformers trained on the H200 with flashtile's attention, beside torch SDPA (bf16)."""
+"""A tiny Llama from transformers trained on the H200 with attn_implementation="flashtile", beside torch SDPA (bf16)."""
 
 import copy
 import warnings
@@ -8,10 +8,15 @@ import torch
 
 import flashtile
 from flashtile.compat import FallbackWarning
+from flashtile.compat import flash_attn as fa
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip(f"attn_implementation='flashtile' needs transformers >= 5, this is {transformers.__version__}",
+                allow_module_level=True)
 
+NAME = "flashtile"
 CONFIG = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 1024}
 STEPS = 20
@@ -19,6 +24,7 @@ LOSS_DROP = 1.0           # nats the loss must fall over STEPS (measured: 6.3 ->
 LOSS_AGREEMENT = 0.05     # final losses of flashtile and sdpa within 5% of the starting loss
 BF16_LOGIT_TOL = 5e-2     # two bf16 implementations of one model: logits agree to bf16's ~3 significant digits
 GRAD_COSINE = 0.99        # loss gradients point the same way in every parameter
+PADDING = 37              # left padding of the first row in the padded case
 
 
 def _model(implementation: str):
@@ -29,20 +35,38 @@ def _model(implementation: str):
 
 
 def _pair():
-    ours, theirs = _model(flashtile.register_hf()), _model("sdpa")
+    assert flashtile.register_hf() == NAME
+    ours, theirs = _model(NAME), _model("sdpa")
     theirs.load_state_dict(ours.state_dict())
     return ours, theirs
 
 
-def test_llama_logits_and_gradients_match_sdpa():
+@pytest.fixture
+def served(monkeypatch):
+    """The kinds of calls ("dense", "varlen") flashtile's FlashAttention-2 functions make to flashtile's API."""
+    calls = []
+    for kind, name in (("dense", "attention"), ("varlen", "varlen_attention")):
+        function = getattr(fa, name)
+        monkeypatch.setattr(fa, name, lambda *a, _f=function, _k=kind, **kw: calls.append(_k) or _f(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "left-padding"])
+def test_llama_logits_and_gradients_match_sdpa(padded, served):
     ours, theirs = _pair()
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 300), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :PADDING if padded else 0] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    kwargs = {"attention_mask": mask, "labels": labels} if padded else {"labels": labels}
     with warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)  # every layer must be served by flashtile
-        out = ours(ids, labels=ids)
-    ref = theirs(ids, labels=ids)
-    torch.testing.assert_close(out.logits.float(), ref.logits.float(), rtol=0, atol=BF16_LOGIT_TOL)
+        out = ours(ids, **kwargs)
+    ref = theirs(ids, **kwargs)
+    assert served == ["varlen" if padded else "dense"] * CONFIG["num_hidden_layers"]
+    valid = mask.bool()   # FlashAttention leaves padding positions' outputs zero, sdpa does not
+    torch.testing.assert_close(out.logits[valid].float(), ref.logits[valid].float(), rtol=0, atol=BF16_LOGIT_TOL)
     out.loss.backward()
     ref.loss.backward()
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):

@@ -1,22 +1,75 @@
-"""Hugging Face transformers integration: ``attn_implementation="tile_attention"``.
+"""Hugging Face transformers integration: ``attn_implementation="flashtile"`` (and the older ``"tile_attention"``).
 
 Usage::
 
     import flashtile
     flashtile.register_hf()
-    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="tile_attention")
-
-The name is not "flashtile": transformers takes every implementation name containing "flash" for a
-FlashAttention kernel (``is_flash_attention_requested``) and tries to load one from the Hugging Face Hub, and
-it treats names containing "sdpa" as torch SDPA. ``register_hf()`` returns the name.
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="flashtile")
 
 Registration is explicit: ``import flashtile`` never imports transformers (it is an optional dependency,
-``pip install flashtile[hf]``, and slow to import). :func:`register_hf` may be called any number of times.
+``pip install flashtile[hf]``, and slow to import). :func:`register_hf` may be called any number of times; it
+returns the name to use, so ``attn_implementation=flashtile.register_hf()`` works with every supported version.
 
-Needs transformers >= 4.53 (tested with 4.53.3 and 5.24.0).
+``"flashtile"`` (transformers >= 5.0; tested with 5.0.0, 5.17.0 and 5.24.0)
+----------------------------------------------------------------------------
 
-Masks: the name is also registered with transformers' mask interface, with the mask builder transformers
-uses for ``sdpa``, so a model hands the attention function exactly the mask it would hand torch SDPA: None
+transformers 5 takes every implementation name containing "flash" for a FlashAttention kernel
+(``is_flash_attention_requested``): it builds FlashAttention's masks for it (None, or the 2-D padding mask),
+keeps the padding information FlashAttention needs (generation with a static cache), hands packed sequences
+over as one row with ``position_ids`` or ``cu_seq_lens_*``/``max_length_*`` keyword arguments and no mask
+(padding-free training collators, continuous batching, vision towers such as Qwen2-VL's, which pack images
+and pass ``cu_seqlens``), and loads the kernel's functions by name with ``lazy_import_flash_attention``,
+which for a name it does not know tries to download a kernel from the Hugging Face Hub.
+
+So "flashtile" is made a FlashAttention implementation in full. :func:`register_hf` teaches transformers'
+loader the name: ``modeling_flash_attention_utils._lazy_imports`` is wrapped so that "flashtile" yields
+flashtile's FlashAttention-2 functions (:func:`~flashtile.flash_attn_func`,
+:func:`~flashtile.flash_attn_varlen_func`; no ``flash_attn_with_kvcache``; transformers' own
+``_pad_input``/``_unpad_input``), every other name goes to transformers' loader unchanged, and the loader is
+primed. The name is registered with transformers' own ``flash_attention_forward`` (behind
+:func:`flashtile_flash_attention_forward`, below) and its ``flash_attention_mask``. A "flashtile" model thus
+runs the code path of ``flash_attention_2`` with flashtile's kernels in place of flash_attn's: padding masks
+are unpadded and served by the varlen function (no fallback), packed sequences too, KV-cache decoding (also
+with left padding) by bottom-right aligned causal attention, GQA without copies, sliding windows and softcap
+as arguments.
+
+Why not the "tile_attention" function and sdpa's masks under the name "flashtile": with "flash" in the name
+the rest of transformers behaves as for FlashAttention, and hands some packed batches over as one row with
+``cu_seq_lens_*`` arguments and no mask at all (Qwen2-VL's vision tower, continuous batching). An sdpa-style
+function ignores those arguments and would attend across sequence boundaries; only the flash path is correct
+for every input transformers hands a flash name. It also serves padding with flashtile instead of a fallback.
+
+:func:`flashtile_flash_attention_forward` adds to transformers' function:
+
+* a 4-D mask (a caller's custom mask, which transformers passes through unchanged, or a model that builds its
+  own) is served as under "tile_attention" (which reads 4-D masks; FlashAttention's path cannot);
+* attention dropout (training with ``attention_dropout > 0``) and attention sinks (``s_aux``) raise
+  ValueError: flashtile supports neither, and transformers' flash path would drop ``s_aux`` silently.
+
+transformers keeps one flash implementation loaded at a time (``_loaded_implementation``) and loads again by
+name when another is asked for. If another flash implementation is used in between (a ``flash_attention_2``
+model in the same process), the next request for "flashtile" (loading a model, ``set_attn_implementation``,
+every attention call) loads flashtile's functions again through the wrapped loader, as transformers does for
+its own names. If transformers' internals are not as expected, :func:`register_hf` raises ImportError naming
+the version (after registering "tile_attention", which stays usable) and leaves transformers as it was.
+
+Not served on this path: devices other than CPU and CUDA, head dims above 256 (flashtile raises, as
+FlashAttention does past its limits), dropout and sinks (above), a paged KV cache (``block_table``:
+continuous batching's decode fast path needs ``flash_attn_with_kvcache``, which flashtile lacks; continuous
+batching is untested). Models that list ``_compatible_flash_implementations`` (e.g. granite_swa) have every
+flash name replaced by transformers with a kernel from that list: use "tile_attention" with them. In
+transformers 5.0.0, generation with a static cache and no padding attends to the cache's empty slots with every
+flash implementation (its ``flash_attention_mask`` drops the all-ones mask); 5.17.0 and later are correct.
+
+transformers 4.x has no FlashAttention loader keyed by name, so "flashtile" cannot be served there:
+:func:`register_hf` registers only "tile_attention", says so with a warning and returns "tile_attention".
+
+``"tile_attention"`` (transformers >= 4.53; tested with 4.53.3, 5.0.0, 5.17.0 and 5.24.0)
+----------------------------------------------------------------------------------------
+
+The name before "flashtile", kept for existing users: no "flash" or "sdpa" in it, so transformers treats it as
+an ordinary custom implementation. It is registered with :func:`flashtile_attention_forward` and the mask
+builder transformers uses for ``sdpa``, so a model hands it exactly the mask it would hand torch SDPA: None
 when the pattern is plain causal (or full attention), otherwise a boolean 4-D mask (an additive float 4-D
 mask, as a caller may pass, is read the same way). Served by flashtile:
 
@@ -34,37 +87,135 @@ GQA needs no copies: flashtile reads key/value heads shared by groups of query h
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 
 import torch
 
 from ..api import MAX_HEAD_DIM, SUPPORTED_DTYPES, attention
 from ._warn import warn_once
+from .flash_attn import flash_attn_func, flash_attn_varlen_func
 from .sdpa import SERVED_DEVICES, _flash_layout
 
-ATTN_IMPLEMENTATION = "tile_attention"  # the attn_implementation name: no "flash" or "sdpa" in it, see above
+ATTN_IMPLEMENTATION = "flashtile"      # the name: a FlashAttention implementation to transformers 5, see above
+TILE_IMPLEMENTATION = "tile_attention"  # the older name: no "flash" or "sdpa" in it, sdpa's masks
 FRONT_DOOR = "hf"
 SDPA_FALLBACK = "transformers' sdpa attention"
 EAGER_FALLBACK = "the model's eager attention"
 PADDING_REASON = "an attention mask with padding, packed sequences or a custom pattern"
 MIN_TRANSFORMERS = "4.53"          # the first with AttentionMaskInterface (and the oldest tested)
+MIN_TRANSFORMERS_FLASH = 5         # the first major version whose flash loader is keyed by name
 MASK_MEMO_SIZE = 8                  # masks remembered: a model passes the same one or two masks to every layer
+FLASH_MASK_OF = "flash_attention_2"  # whose mask builder "flashtile" shares
+# transformers.modeling_flash_attention_utils: the loader and the state it keeps, all of which must exist
+LOADER_NAMES = ("lazy_import_flash_attention", "_lazy_imports", "_loaded_implementation", "_flash_fn",
+                "_flash_varlen_fn", "_pad_fn", "_unpad_fn", "_pad_input", "_unpad_input")
+KVCACHE_SLOT = "_flash_with_kvcache_fn"  # present (5.17, 5.24): the loader returns 5 functions; absent (5.0): 4
+LOADER_STATE = ("_lazy_imports", "_loaded_implementation", "_flash_fn", "_flash_varlen_fn", KVCACHE_SLOT,
+                "_pad_fn", "_unpad_fn", "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn")
 
 
 def register_hf() -> str:
-    """Register ``attn_implementation="tile_attention"`` (and its mask builder) with transformers; idempotent.
+    """Register ``attn_implementation="flashtile"`` and ``"tile_attention"`` with transformers; idempotent.
 
-    Returns the implementation name, so ``attn_implementation=flashtile.register_hf()`` works too.
+    Returns:
+        "flashtile", the name to use (``attn_implementation=flashtile.register_hf()`` works too). With
+        transformers 4.x, which cannot take "flashtile" (see the module docstring), "tile_attention", with a
+        warning.
+    Raises:
+        ImportError: transformers is missing, or its FlashAttention loader is not as expected (the message names
+            the version); "tile_attention" is registered before that check and stays usable.
     """
     try:
+        import transformers
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as error:
         raise ImportError(f"flashtile.register_hf() needs transformers >= {MIN_TRANSFORMERS}: "
                           "pip install 'flashtile[hf]'") from error
-    AttentionInterface.register(ATTN_IMPLEMENTATION, flashtile_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, AttentionMaskInterface()["sdpa"])
+    AttentionInterface.register(TILE_IMPLEMENTATION, flashtile_attention_forward)
+    AttentionMaskInterface.register(TILE_IMPLEMENTATION, AttentionMaskInterface()["sdpa"])
+    if not _flash_capable(transformers.__version__):
+        warnings.warn(f"flashtile.register_hf(): attn_implementation={ATTN_IMPLEMENTATION!r} needs transformers >= "
+                      f"{MIN_TRANSFORMERS_FLASH} (this is {transformers.__version__}, whose FlashAttention loader is "
+                      f"not keyed by name); registered attn_implementation={TILE_IMPLEMENTATION!r} only, use that",
+                      UserWarning, stacklevel=2)
+        return TILE_IMPLEMENTATION
+    flash_mask = _install_flash_loader(transformers.__version__)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, flashtile_flash_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_mask)
     return ATTN_IMPLEMENTATION
+
+
+def _flash_capable(version: str) -> bool:
+    """Whether this transformers version has the FlashAttention loader keyed by name ("5.0.0", "5.1.0.dev0")."""
+    major = version.split(".", 1)[0]
+    return major.isdigit() and int(major) >= MIN_TRANSFORMERS_FLASH
+
+
+def _loader_functions(fau) -> tuple:
+    """What ``_lazy_imports("flashtile")`` returns: flashtile's FA2 functions, in the version's order."""
+    kvcache = (None,) if hasattr(fau, KVCACHE_SLOT) else ()
+    return (flash_attn_func, flash_attn_varlen_func, *kvcache, fau._pad_input, fau._unpad_input)
+
+
+def _wrap_loader(original):
+    """transformers' ``_lazy_imports`` with the name "flashtile" added; any other name is passed on unchanged."""
+    def _lazy_imports(implementation, *args, **kwargs):
+        if implementation == ATTN_IMPLEMENTATION:
+            return _loader_functions(sys.modules["transformers.modeling_flash_attention_utils"])
+        return original(implementation, *args, **kwargs)
+
+    _lazy_imports.__wrapped__ = original
+    _lazy_imports.flashtile_loader = True
+    _lazy_imports.__doc__ = original.__doc__
+    return _lazy_imports
+
+
+def _primed(fau) -> bool:
+    """Whether transformers' loader holds flashtile's functions under the name "flashtile"."""
+    return (fau._loaded_implementation == ATTN_IMPLEMENTATION and fau._flash_fn is flash_attn_func
+            and fau._flash_varlen_fn is flash_attn_varlen_func and fau._pad_fn is fau._pad_input
+            and fau._unpad_fn is fau._unpad_input and getattr(fau, KVCACHE_SLOT, None) is None)
+
+
+def _install_flash_loader(version: str):
+    """Teach transformers' FlashAttention loader the name "flashtile" and prime it; returns the mask builder.
+
+    Raises ImportError (leaving transformers as it was) when an internal this relies on is missing or does not
+    behave as expected.
+    """
+    advice = (f"transformers {version} is not supported by flashtile.register_hf() for "
+              f"attn_implementation={ATTN_IMPLEMENTATION!r} (tested with 5.0.0, 5.17.0 and 5.24.0): ")
+    fallback = f"; use attn_implementation={TILE_IMPLEMENTATION!r} (registered) instead"
+    try:
+        from transformers import modeling_flash_attention_utils as fau
+        from transformers.integrations.flash_attention import flash_attention_forward  # noqa: F401
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as error:
+        raise ImportError(advice + f"{error}" + fallback) from error
+    missing = [name for name in LOADER_NAMES if not hasattr(fau, name)]
+    flash_mask = AttentionMaskInterface().get(FLASH_MASK_OF)
+    if flash_mask is None:
+        missing.append(f"masking_utils.AttentionMaskInterface[{FLASH_MASK_OF!r}]")
+    if missing:
+        raise ImportError(advice + "missing " + ", ".join(missing) + fallback)
+
+    saved = {name: getattr(fau, name) for name in LOADER_STATE if hasattr(fau, name)}
+    current = fau._lazy_imports
+    original = current.__wrapped__ if getattr(current, "flashtile_loader", False) else current
+    try:
+        fau._lazy_imports = _wrap_loader(original)
+        if fau._loaded_implementation == ATTN_IMPLEMENTATION and not _primed(fau):
+            fau._loaded_implementation = None  # stale (e.g. this module reloaded): load again
+        fau.lazy_import_flash_attention(ATTN_IMPLEMENTATION)
+        if not _primed(fau):
+            raise ImportError("lazy_import_flash_attention('flashtile') did not keep flashtile's functions")
+    except Exception as error:
+        for name, value in saved.items():
+            setattr(fau, name, value)
+        raise ImportError(advice + f"{type(error).__name__}: {error}" + fallback) from error
+    return flash_mask
 
 
 def _causal_pattern(seqlen_q: int, seqlen_k: int, left: int, device) -> torch.Tensor:
@@ -187,7 +338,7 @@ def _fallback(module, query, key, value, attention_mask, dropout, scaling, slidi
 
 def flashtile_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                 sliding_window=None, softcap=None, is_causal=None, **kwargs):
-    """The attention function transformers calls for ``attn_implementation="tile_attention"``.
+    """The attention function transformers calls for ``attn_implementation="tile_attention"`` (and 4-D masks).
 
     Args:
         module: the model's attention module (``is_causal`` is read from it unless passed).
@@ -222,3 +373,35 @@ def flashtile_attention_forward(module, query, key, value, attention_mask, dropo
                     softmax_scale=scaling, window_size=(left, -1), softcap=float(softcap or 0.0),
                     deterministic=bool(kwargs.get("deterministic") or False))
     return out, None
+
+
+def flashtile_flash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                      sliding_window=None, softcap=None, is_causal=None, **kwargs):
+    """The attention function transformers calls for ``attn_implementation="flashtile"``.
+
+    transformers' ``flash_attention_forward``, which reaches flashtile's FlashAttention-2 functions through the
+    loader :func:`register_hf` primed, except for what the module docstring lists: a 4-D mask goes to
+    :func:`flashtile_attention_forward`; dropout and attention sinks raise ValueError.
+
+    Args:
+        module: the model's attention module.
+        query: (batch, heads_q, seqlen_q, head_dim); key, value: (batch, heads_kv, seqlen_k, head_dim[_v]).
+        attention_mask: None, a 2-D padding mask (transformers' ``flash_attention_mask``) or a 4-D mask.
+        dropout, scaling, sliding_window, softcap, is_causal, kwargs: as transformers passes them (``position_ids``
+            and ``cu_seq_lens_*``/``max_length_*`` for packed sequences among the kwargs).
+    Returns:
+        ``(attn_output, None)``, attn_output (batch, seqlen_q, heads_q, head_dim_v).
+    """
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        return flashtile_attention_forward(module, query, key, value, attention_mask, dropout, scaling,
+                                           sliding_window, softcap, is_causal, **kwargs)
+    unserved = ("attention dropout" if dropout else
+                "attention sinks (s_aux)" if kwargs.get("s_aux") is not None else None)
+    if unserved is not None:
+        raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} does not support {unserved} "
+                         f"({type(module).__name__}); use attn_implementation={TILE_IMPLEMENTATION!r}, which hands "
+                         f"such calls to transformers' sdpa or eager attention")
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    return flash_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                   sliding_window=sliding_window, softcap=softcap, is_causal=is_causal, **kwargs)
