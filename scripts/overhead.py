@@ -41,6 +41,7 @@ rows = {
     "ctypes cuLaunchKernel": ctypes_launch,
     "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream(0).cuda_stream,
     "torch._C._cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
+    "torch.cuda.current_device (launch's device check)": torch.cuda.current_device,
     "problem.params": lambda: problem.params(o, lse),
     "problem.empty_outputs": problem.empty_outputs,
     "new_empty": lambda: q.new_empty(1, 64, 2, 64),
@@ -53,6 +54,6 @@ rows = {
     "torch.add (a small torch op)": lambda: torch.add(q, q),
 }
 for name, fn in rows.items():
-    print(f"{name:<42} {measure.host_overhead_us(fn, calls=5000):7.2f} us")
+    print(f"{name:<50} {measure.host_overhead_us(fn, calls=5000):7.2f} us")
 kernel_ms = measure.time_cuda(lambda: launch.launch(kernel, grid, threads, smem, params))
 print(f"kernel alone (events, CUDA graph-free): {kernel_ms * 1e3:.1f} us")
