@@ -27,7 +27,9 @@ def ladder_markdown(doc: dict) -> str:
     if rt:
         lines += ["", f"Runtime costs ({rt['spec']}): cold NVRTC compile {rt['cold_compile_s']:.2f} s, "
                   f"load from the disk cache {rt['cached_load_ms']:.1f} ms, host overhead of a warm "
-                  f"`flashtile.attention` call ({rt['overhead_shape']}) {rt['host_overhead_us']:.1f} µs."]
+                  f"`flashtile.attention` call ({rt['overhead_shape']}) {rt['host_overhead_us']:.1f} µs"
+                  + (f" (a small torch op, `torch.add`, on the same host: {rt['torch_op_us']:.1f} µs)."
+                     if "torch_op_us" in rt else ".")]
     return "\n".join(lines)
 
 
