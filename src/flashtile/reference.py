@@ -236,6 +236,15 @@ def attention_chunked_backward(dout, q, k, v, out, lse, *, causal=False, softmax
             dv.permute(0, 2, 1, 3).to(v.dtype).contiguous())
 
 
+def _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    """(query slice, key slice, ALiBi slopes) of each sequence of a packed varlen batch; per-batch slopes
+    (batch, heads) are taken row by row, per-head slopes (heads,) are shared."""
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        yield slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1]), slopes
+
+
 def varlen_apply(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, **options):
     """Run a dense attention function `fn` on each sequence of a packed varlen batch.
 
@@ -243,12 +252,7 @@ def varlen_apply(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, **o
     lse (heads_q, total_q), the FlashAttention varlen layout.
     """
     outs, lses = [], []
-    bounds_q = cu_seqlens_q.tolist()
-    bounds_k = cu_seqlens_k.tolist()
-    for b in range(len(bounds_q) - 1):
-        sq = slice(bounds_q[b], bounds_q[b + 1])
-        sk = slice(bounds_k[b], bounds_k[b + 1])
-        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+    for sq, sk, slopes in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         o, lse = fn(q[sq][None], k[sk][None], v[sk][None], alibi_slopes=slopes, **options)
         outs.append(o[0])
         lses.append(lse[0])
@@ -262,12 +266,7 @@ def varlen_apply_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, a
     ``(dq, dk, dv)`` shaped like q, k, v (zero for positions outside every sequence).
     """
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    bounds_q = cu_seqlens_q.tolist()
-    bounds_k = cu_seqlens_k.tolist()
-    for b in range(len(bounds_q) - 1):
-        sq = slice(bounds_q[b], bounds_q[b + 1])
-        sk = slice(bounds_k[b], bounds_k[b + 1])
-        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+    for sq, sk, slopes in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         grads = attention_chunked_backward(dout[sq][None], q[sq][None], k[sk][None], v[sk][None], out[sq][None],
                                            lse[:, sq][None], alibi_slopes=slopes, **options)
         dq[sq], dk[sk], dv[sk] = (grad[0] for grad in grads)
