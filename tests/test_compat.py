@@ -411,6 +411,24 @@ def same_model(transformers, config, *implementations):
     return models
 
 
+def assert_matches_and_trains(ours, theirs, out, ref, ids):
+    """Same logits and loss gradients as the reference model, and five AdamW steps lower the loss."""
+    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=ATOL)
+    out.loss.backward()
+    ref.loss.backward()
+    assert_same_gradients(ours, theirs)
+
+    optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = ours(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
 def assert_same_gradients(ours, theirs):
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
@@ -477,20 +495,7 @@ def test_hf_flashtile_llama_logits_gradients_and_training(flash_name, flash_call
     out = ours(ids, labels=ids)
     ref = theirs(ids, labels=ids)
     assert flash_calls == [("dense", True, (-1, -1))] * 2   # both layers served by flashtile's flash_attn_func
-    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=ATOL)
-    out.loss.backward()
-    ref.loss.backward()
-    assert_same_gradients(ours, theirs)
-
-    optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(5):
-        optimizer.zero_grad()
-        loss = ours(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.5, losses
+    assert_matches_and_trains(ours, theirs, out, ref, ids)
 
 
 def test_hf_flashtile_left_padding_logits_and_gradients(flash_name, flash_calls):
@@ -636,20 +641,7 @@ def test_hf_llama_logits_gradients_and_training(counted_calls):
         out = ours(ids, labels=ids)
     ref = theirs(ids, labels=ids)
     assert counted_calls == [(True, (-1, -1))] * 2   # both layers served by flashtile
-    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=ATOL)
-    out.loss.backward()
-    ref.loss.backward()
-    assert_same_gradients(ours, theirs)
-
-    optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(5):
-        optimizer.zero_grad()
-        loss = ours(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.5, losses
+    assert_matches_and_trains(ours, theirs, out, ref, ids)
 
 
 def test_hf_generate_with_kv_cache(counted_calls):
