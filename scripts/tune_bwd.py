@@ -1,4 +1,5 @@
-"""Sweep backward tile shapes at standard-matrix sizes; prints TFLOP/s beside torch's flash backward.
+"""Sweep backward tile shapes at standard-matrix sizes; prints TFLOP/s beside torch's flash backward, and the
+deterministic mode's time over the default's for each tile.
 
 Usage (on the GPU machine): python scripts/tune_bwd.py [d ...] — a lab bench for choosing rows of
 specs.BWD_TILES_*; the reasons in that table come from runs of this script.
@@ -14,7 +15,7 @@ from flashtile.bench import measure, peers
 
 CANDIDATES = {  # head_dim -> [(block_m, block_n, stages)]
     64: [(64, 128, 2), (64, 64, 2), (32, 128, 2), (128, 128, 2)],
-    128: [(32, 128, 2), (32, 64, 2), (64, 128, 2), (64, 64, 2)],
+    128: [(32, 128, 2), (64, 128, 2), (64, 128, 1)],
     256: [(64, 64, 2), (64, 64, 1), (32, 64, 2), (32, 64, 1), (32, 32, 2)],
 }
 
@@ -37,10 +38,14 @@ def main(dims):
                 if spec.smem_bytes > specs.SMEM_LIMIT["sm_90a"]:
                     continue
                 res = jit.compile_spec(spec).resources[spec.entries[1]]
-                run = peers.backward_runner(lambda: flashtile.attention(*leaves, causal=causal), leaves)
-                tflops = flops / measure.time_cuda(run, reps=10) / 1e9
-                row.append(f"{(bm, bn, stages)}[{res.registers}r{'/spill' if res.spill_stores else ''}]={tflops:.0f}")
-                del run
+                times = {}
+                for deterministic in (False, True):
+                    run = peers.backward_runner(
+                        lambda: flashtile.attention(*leaves, causal=causal, deterministic=deterministic), leaves)
+                    times[deterministic] = measure.time_cuda(run, reps=10)
+                    del run
+                row.append(f"{(bm, bn, stages)}[{res.registers}r{'/spill' if res.spill_stores else ''}]="
+                           f"{flops / times[False] / 1e9:.0f} det {times[True] / times[False]:.2f}x")
             print("  ".join(row), flush=True)
 
 

@@ -81,6 +81,21 @@ __device__ __forceinline__ float ld_shared_in_order(u32 address) {
     asm volatile("ld.shared.f32 %0, [%1];" : "=f"(value) : "r"(address));
     return value;
 }
+// One of the two 16-bit values of a packed pair of probabilities (in [0, 1]), as a float (e = 0: the low half).
+// bf16 widens by a shift. For fp16, a non-negative value widens exactly as its bits shifted into fp32's
+// exponent and mantissa, scaled by 2^(127 - 15) (denormals included): cvt.f32.f16 left ptxas 4 bytes short
+// of registers at d128 (sm_90a), this does not.
+template <typename T>
+__device__ __forceinline__ float unpack_probability(u32 pair, int e) {
+    return to_float(T{(u16)(e ? pair >> 16 : pair & 0xffffu)});
+}
+constexpr int kF16ToF32MantissaShift = 23 - 10;
+constexpr float kF16ToF32ExponentScale = 0x1p112f;
+template <>
+__device__ __forceinline__ float unpack_probability<f16_t>(u32 pair, int e) {
+    const u32 bits = e ? pair >> 16 : pair & 0xffffu;
+    return __uint_as_float(bits << kF16ToF32MantissaShift) * kF16ToF32ExponentScale;
+}
 __device__ __forceinline__ int load_acquire(const int* address) {
     int value;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
@@ -154,6 +169,7 @@ __device__ __forceinline__ void store_slab(elem_t* tile_smem, const float (&acc)
 template <int kPass>
 __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
     constexpr bool kWantDv = kPass != kDkDq, kWantDkDq = kPass != kOnlyDv;
+    constexpr bool kPackP = kBlockM > 32 && kPass == kAll;  // P^T as 16-bit pairs after the softmax, see there
     extern __shared__ __align__(128) unsigned char smem_raw[];
     SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
     if (dynamic_smem_bytes() < sizeof(SharedStorage)) __trap();
@@ -291,13 +307,27 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
                     x = fast_exp2(fmaf(x, log2_factor, -ld_shared_in_order(lse_row + col * sizeof(float))));
                 }
         }
+        // With 64-query steps (one pass), P^T goes on as 16-bit pairs (the dV product takes it so anyway): half
+        // the registers of the fp32 scores, which makes room for 64-query steps at d128.
+        u32 p16[kPackP ? kQueryTiles : 1][2];
+        if constexpr (kPackP) {
+#pragma unroll
+            for (int j = 0; j < kQueryTiles; ++j)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) p16[j][half] = pack2<elem_t>(s[j][2 * half], s[j][2 * half + 1]);
+        }
+        auto p_elem = [&](int j, int i) { return kPackP ? unpack_probability<elem_t>(p16[j][i / 2], i % 2) : s[j][i]; };
 
         // dV += P^T dO.
         if constexpr (kWantDv) {
 #pragma unroll
             for (int kk = 0; kk < kBlockM / kMmaK; ++kk) {
                 u32 a[4];
-                accumulators_to_a(a, s[2 * kk], s[2 * kk + 1]);
+                if constexpr (kPackP) {
+                    a[0] = p16[2 * kk][0], a[1] = p16[2 * kk][1], a[2] = p16[2 * kk + 1][0], a[3] = p16[2 * kk + 1][1];
+                } else {
+                    accumulators_to_a(a, s[2 * kk], s[2 * kk + 1]);
+                }
 #pragma unroll
                 for (int dp = 0; dp < kVTiles / 2; ++dp) {
                     u32 bv[4];
@@ -327,7 +357,7 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
         for (int j = 0; j < kQueryTiles; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                ds[j][i] = s[j][i] * (ds[j][i] - ld_shared_in_order(dsum_row + (j * kMmaN + (i & 1)) * sizeof(float)));
+                ds[j][i] = p_elem(j, i) * (ds[j][i] - ld_shared_in_order(dsum_row + (j * kMmaN + (i & 1)) * sizeof(float)));
                 if constexpr (kSoftcap) {
                     const u32 pair = dcap[j][i / 2];
                     ds[j][i] *= to_float(f16_t{(u16)(i % 2 ? pair >> 16 : pair & 0xffffu)});
