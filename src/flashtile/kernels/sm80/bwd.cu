@@ -35,8 +35,13 @@ constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kQueryTiles = kBlockM / kMmaN;   // n8 tiles across a query tile (columns of S^T)
 constexpr int kKTiles = kHeadDim / kMmaN;      // n8 tiles of a dK row slab
 constexpr int kVTiles = kHeadDimV / kMmaN;     // n8 tiles of a dV row slab
-constexpr int kDqCols = 32;                    // dQ is computed in 16 x 32 pieces: 16 fp32 registers each
-constexpr int kDqPieces = (kBlockM / kMmaM) * (kHeadDim / kDqCols);
+// dQ = dS K is computed in kDqRows x 32 pieces, one warp at a time. 32 x 32 pieces read dS and K from shared
+// memory once per 8 mma (16 x 32: once per 4 mma, 1.5x the bytes); 16-row pieces only where 32-row ones
+// would leave warps idle.
+constexpr int kDqCols = 32;
+constexpr int kDqRows = (kBlockM / 32) * (kHeadDim / kDqCols) >= kWarps ? 32 : kMmaM;
+constexpr int kDqSlabs = kDqRows / kMmaM;
+constexpr int kDqPieces = (kBlockM / kDqRows) * (kHeadDim / kDqCols);
 static_assert(kBlockN == kWarps * kMmaM, "each warp owns 16 keys");
 static_assert(kBlockM % 32 == 0 && kHeadDim % kDqCols == 0, "tile shapes");
 static_assert(kStages >= 1, "the ring needs a stage");
@@ -396,28 +401,37 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
         __syncthreads();
         float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
         for (int piece = warp; piece < kDqPieces; piece += kWarps) {
-            const int q_slab = (piece % (kBlockM / kMmaM)) * kMmaM, col0 = (piece / (kBlockM / kMmaM)) * kDqCols;
-            float acc[kDqCols / kMmaN][4] = {};
-#pragma unroll
+            const int row0 = (piece % (kBlockM / kDqRows)) * kDqRows, col0 = (piece / (kBlockM / kDqRows)) * kDqCols;
+            float acc[kDqSlabs][kDqCols / kMmaN][4] = {};
+#pragma unroll 4
             for (int kk = 0; kk < kBlockN / kMmaK; ++kk) {
-                u32 a[4];
-                ldmatrix_x4_trans(a, ds_smem + kElemBytes * DsTile::fragment_offset(a_trans_lane, kk * kMmaK, q_slab));
+                u32 a[kDqSlabs][4];
+#pragma unroll
+                for (int sl = 0; sl < kDqSlabs; ++sl)
+                    ldmatrix_x4_trans(a[sl], ds_smem + kElemBytes * DsTile::fragment_offset(a_trans_lane, kk * kMmaK,
+                                                                                           row0 + sl * kMmaM));
 #pragma unroll
                 for (int dp = 0; dp < kDqCols / 16; ++dp) {
                     u32 bk[4];
                     ldmatrix_x4_trans(bk, k_smem + kElemBytes * KTile::fragment_offset(b_trans_lane, kk * kMmaK, col0 + dp * 16));
-                    mma_16816(acc[2 * dp], a, bk[0], bk[1]);
-                    mma_16816(acc[2 * dp + 1], a, bk[2], bk[3]);
+#pragma unroll
+                    for (int sl = 0; sl < kDqSlabs; ++sl) {
+                        mma_16816(acc[sl][2 * dp], a[sl], bk[0], bk[1]);
+                        mma_16816(acc[sl][2 * dp + 1], a[sl], bk[2], bk[3]);
+                    }
                 }
             }
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = q_slab + g + 8 * half;
-                if (m0 + row >= pr0.seqlen_q) continue;
+            for (int sl = 0; sl < kDqSlabs; ++sl)
 #pragma unroll
-                for (int j = 0; j < kDqCols / kMmaN; ++j)
-                    red_add2(accum + row * kHeadDim + col0 + j * kMmaN + 2 * t, acc[j][2 * half], acc[j][2 * half + 1]);
-            }
+                for (int half = 0; half < 2; ++half) {
+                    const int row = row0 + sl * kMmaM + g + 8 * half;
+                    if (m0 + row >= pr0.seqlen_q) continue;
+#pragma unroll
+                    for (int j = 0; j < kDqCols / kMmaN; ++j)
+                        red_add2(accum + row * kHeadDim + col0 + j * kMmaN + 2 * t, acc[sl][j][2 * half],
+                                 acc[sl][j][2 * half + 1]);
+                }
         }
         if (turn != nullptr) {
             // The barrier orders every thread's reductions before thread 0's release, and a release is
