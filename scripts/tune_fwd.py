@@ -41,6 +41,7 @@ def main(dims):
                 for name in ("sdpa-flash", "sdpa-cudnn"):
                     run = peers.sdpa_runner(name, q, k, v, causal)
                     row.append(f"{name}={flops / measure.time_cuda(run) / 1e9:.0f}" if run else f"{name}=-")
+                expected = peers.sdpa_runner("sdpa-flash", q, k, v, causal)().transpose(1, 2).float()
                 for cand in CANDIDATES[d]:
                     spec = spec_of(d, *cand)
                     if spec.smem_bytes > specs.SMEM_LIMIT["sm_90a"]:
@@ -48,8 +49,12 @@ def main(dims):
                     res = jit.compile_spec(spec).resources["attn_fwd"]
                     module = launch.load(spec, 0)
                     problem = FwdProblem(q, k, v, d**-0.5, (-1, 0) if causal else (-1, -1))
-                    ms = measure.time_cuda(lambda: ladder.BY_NAME["pipelined"].launch(problem, module))
-                    row.append(f"{cand}[{res.registers}r{'/spill' if res.spill_stores else ''}]={flops / ms / 1e9:.0f}")
+                    run = lambda: ladder.BY_NAME["pipelined"].launch(problem, module)  # noqa: E731
+                    # A fast tile is no use if it is wrong: its largest difference from sdpa-flash rides along.
+                    error = (run()[0].float() - expected).abs().max().item()
+                    ms = measure.time_cuda(run)
+                    row.append(f"{cand}[{res.registers}r{'/spill' if res.spill_stores else ''}]={flops / ms / 1e9:.0f}"
+                               f" err={error:.0e}")
                 print("  ".join(row), flush=True)
 
 
