@@ -14,8 +14,8 @@ from flashtile import backward, jit, specs
 from flashtile.bench import measure, peers
 
 CANDIDATES = {  # head_dim -> [(block_m, block_n, stages)]
-    64: [(64, 128, 2), (128, 128, 2)],
-    128: [(32, 128, 2), (64, 128, 2)],
+    64: [(64, 128, 2), (128, 128, 2), (128, 128, 3)],
+    128: [(32, 128, 2), (64, 128, 2), (64, 128, 3)],
     256: [(64, 64, 2), (64, 64, 1)],
 }
 

@@ -179,8 +179,9 @@ def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: boo
 
 # ---------------------------------------------------------------------------------------------------
 # Rung 4 backward (kernels/sm80/bwd.cu). A block owns block_n keys (16 per warp) and keeps their dK and dV
-# in registers: (d + dv) / 2 fp32 registers per thread, plus 2 x block_m / 2 for S and dP. Past head dim 128
-# that does not fit in 255 registers, so those dims run two passes (split: dV, then dK and dQ).
+# in registers: (d + dv) / 2 fp32 registers per thread, plus block_m / 2 for dP and block_m / 4 for P (kept as
+# 16-bit pairs in one-pass 64+-query steps). Past head dim 128 that does not fit in 255 registers, so those
+# dims run two passes (split: dV, then dK and dQ).
 # ---------------------------------------------------------------------------------------------------
 
 

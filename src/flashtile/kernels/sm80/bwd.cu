@@ -9,6 +9,10 @@
 //               dP^T = V dO^T,   dS^T = P^T o (dP^T - D),   D = rowsum(dO o O) (a preprocess kernel)
 //               dV  += P^T dO,   dK += dS^T Q     (A operands straight from the registers, as in the forward)
 //               dQ  += dS K                        (dS through shared memory; fp32 atomics into dq_accum)
+//           In one-pass steps of 64 or more queries, P^T is kept as 16-bit pairs after the softmax (the dV
+//           product takes it so anyway): the registers that let d128 run FA2's 64 x 128 tile. dQ is computed
+//           in 32 x 32 pieces where that still gives every warp one, so each dS and K fragment read from shared
+//           memory (the kernel's bound) feeds two mma.
 //           GQA: a block serves one key/value head and loops over the query heads of its group, so dK and
 //           dV are summed in registers — no atomics, no extra pass. deterministic mode: the dQ additions of
 //           the blocks that share a query tile take turns in a fixed order (a per-tile turn counter).
