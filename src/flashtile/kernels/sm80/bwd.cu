@@ -175,6 +175,25 @@ __device__ __forceinline__ void store_slab(elem_t* tile_smem, const float (&acc)
     }
 }
 
+// acc (one warp's 16 keys x kBlockM queries) += A B^T over kDim columns: A = the warp's 16 rows of a keys-major
+// tile (K or V), B = the rows of a queries-major tile (Q or dO). S^T and dP^T are both this product.
+template <typename ATile, typename BTile, int kDim>
+__device__ __forceinline__ void keys_by_queries(float (&acc)[kQueryTiles][4], u32 a_smem, u32 b_smem,
+                                                const LaneOffsets& a_lane, const LaneOffsets& b_lane, int key0) {
+#pragma unroll
+    for (int kk = 0; kk < kDim / kMmaK; ++kk) {
+        u32 a[4];
+        ldmatrix_x4(a, a_smem + kElemBytes * ATile::fragment_offset(a_lane, key0, kk * kMmaK));
+#pragma unroll
+        for (int np = 0; np < kQueryTiles / 2; ++np) {
+            u32 b[4];
+            ldmatrix_x4(b, b_smem + kElemBytes * BTile::fragment_offset(b_lane, np * 16, kk * kMmaK));
+            mma_16816(acc[2 * np], a, b[0], b[1]);
+            mma_16816(acc[2 * np + 1], a, b[2], b[3]);
+        }
+    }
+}
+
 template <int kPass>
 __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
     constexpr bool kWantDv = kPass != kDkDq, kWantDkDq = kPass != kOnlyDv;
@@ -274,18 +293,7 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
 
         // S^T = K Q^T: 16 keys x kBlockM queries.
         float s[kQueryTiles][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
-            u32 a[4];
-            ldmatrix_x4(a, k_smem + kElemBytes * KTile::fragment_offset(a_lane, warp_row0, kk * kMmaK));
-#pragma unroll
-            for (int np = 0; np < kQueryTiles / 2; ++np) {
-                u32 bq[4];
-                ldmatrix_x4(bq, sq + kElemBytes * QTile::fragment_offset(b_rows_lane, np * 16, kk * kMmaK));
-                mma_16816(s[2 * np], a, bq[0], bq[1]);
-                mma_16816(s[2 * np + 1], a, bq[2], bq[3]);
-            }
-        }
+        keys_by_queries<KTile, QTile, kHeadDim>(s, k_smem, sq, a_lane, b_rows_lane, warp_row0);
 
         // P^T = exp2(score * log2_factor - lse_log2[query]); masked scores give 0. With softcap, keep the
         // derivative of the cap, 1 - tanh^2 (in [0, 1]), for dS: as fp16 pairs, half the registers.
@@ -350,18 +358,7 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
 
         // dP^T = V dO^T, then dS^T = P^T o (dP^T - D[query]) (o the softcap's derivative).
         float ds[kQueryTiles][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < kHeadDimV / kMmaK; ++kk) {
-            u32 a[4];
-            ldmatrix_x4(a, v_smem + kElemBytes * VTile::fragment_offset(a_lane, warp_row0, kk * kMmaK));
-#pragma unroll
-            for (int np = 0; np < kQueryTiles / 2; ++np) {
-                u32 bo[4];
-                ldmatrix_x4(bo, sdo + kElemBytes * DoTile::fragment_offset(b_rows_lane, np * 16, kk * kMmaK));
-                mma_16816(ds[2 * np], a, bo[0], bo[1]);
-                mma_16816(ds[2 * np + 1], a, bo[2], bo[3]);
-            }
-        }
+        keys_by_queries<VTile, DoTile, kHeadDimV>(ds, v_smem, sdo, a_lane, b_rows_lane, warp_row0);
 #pragma unroll
         for (int j = 0; j < kQueryTiles; ++j)
 #pragma unroll
