@@ -194,6 +194,21 @@ __device__ __forceinline__ void keys_by_queries(float (&acc)[kQueryTiles][4], u3
     }
 }
 
+// acc (one warp's 16 keys x kTiles n8 columns) += A B: A = a 16 x 16 fragment of P^T or dS^T (keys by the 16
+// queries from query0), B = those 16 rows of a queries-major tile (dO or Q), transposed on load. dV and dK
+// grow by this product, 16 queries at a time.
+template <typename BTile, int kTiles>
+__device__ __forceinline__ void add_fragment_times_rows(float (&acc)[kTiles][4], const u32 (&a)[4], u32 b_smem,
+                                                        const LaneOffsets& b_lane, int query0) {
+#pragma unroll
+    for (int dp = 0; dp < kTiles / 2; ++dp) {
+        u32 b[4];
+        ldmatrix_x4_trans(b, b_smem + kElemBytes * BTile::fragment_offset(b_lane, query0, dp * 16));
+        mma_16816(acc[2 * dp], a, b[0], b[1]);
+        mma_16816(acc[2 * dp + 1], a, b[2], b[3]);
+    }
+}
+
 template <int kPass>
 __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
     constexpr bool kWantDv = kPass != kDkDq, kWantDkDq = kPass != kOnlyDv;
@@ -345,13 +360,7 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
                 } else {
                     accumulators_to_a(a, s[2 * kk], s[2 * kk + 1]);
                 }
-#pragma unroll
-                for (int dp = 0; dp < kVTiles / 2; ++dp) {
-                    u32 bv[4];
-                    ldmatrix_x4_trans(bv, sdo + kElemBytes * DoTile::fragment_offset(b_trans_lane, kk * kMmaK, dp * 16));
-                    mma_16816(dv[2 * dp], a, bv[0], bv[1]);
-                    mma_16816(dv[2 * dp + 1], a, bv[2], bv[3]);
-                }
+                add_fragment_times_rows<DoTile>(dv, a, sdo, b_trans_lane, kk * kMmaK);
             }
         }
         if constexpr (!kWantDkDq) return;
@@ -375,13 +384,7 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
         for (int kk = 0; kk < kBlockM / kMmaK; ++kk) {
             u32 a[4];
             accumulators_to_a(a, ds[2 * kk], ds[2 * kk + 1]);
-#pragma unroll
-            for (int dp = 0; dp < kKTiles / 2; ++dp) {
-                u32 bq[4];
-                ldmatrix_x4_trans(bq, sq + kElemBytes * QTile::fragment_offset(b_trans_lane, kk * kMmaK, dp * 16));
-                mma_16816(dk[2 * dp], a, bq[0], bq[1]);
-                mma_16816(dk[2 * dp + 1], a, bq[2], bq[3]);
-            }
+            add_fragment_times_rows<QTile>(dk, a, sq, b_trans_lane, kk * kMmaK);
         }
 
         // dS^T to shared memory, then dQ = dS K over the whole key tile, added into dq_accum.
