@@ -178,10 +178,11 @@ def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: boo
 
 
 # ---------------------------------------------------------------------------------------------------
-# Rung 4 backward (kernels/sm80/bwd.cu). A block owns block_n keys (16 per warp) and keeps their dK and dV
-# in registers: (d + dv) / 2 fp32 registers per thread, plus block_m / 2 for dP and block_m / 4 for P (kept as
+# Rung 4 backward (kernels/sm80/bwd.cu). A block owns block_n keys (16 per warp) and keeps their dK and dV in
+# registers: (d + dv) / 2 fp32 registers per thread, plus block_m / 2 for dP and block_m / 4 for P (kept as
 # 16-bit pairs in one-pass 64+-query steps). Past head dim 128 that does not fit in 255 registers, so those
-# dims run two passes (split: dV, then dK and dQ).
+# dims run two passes (split: dV, then dK and dQ). The reasons' numbers come from scripts/tune_bwd.py on the
+# H200 at n16k, both tiles of a row in one run (d64 and d128: 2026-11-29 afternoon).
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -199,12 +200,12 @@ class BwdTile:
 
 
 BWD_TILES_LARGE_SMEM = {
-    64: BwdTile(128, 128, 2, False, "8 warps x 16 keys, 128-query steps: 244 TFLOP/s against 236 at block_m 64, "
-                                    "and half the deterministic hand-offs (1.17x against 1.33x); 130 KB"),
+    64: BwdTile(128, 128, 2, False, "8 warps x 16 keys, 128-query steps: 247 TFLOP/s against 233 at block_m 64, "
+                                    "and half the deterministic hand-offs (1.17x against 1.34x); 130 KB"),
     96: BwdTile(64, 128, 2, False, "as d128"),
     128: BwdTile(64, 128, 2, False, "FA2's tile; P kept as 16-bit pairs leaves room for 64-query steps beside dK + dV "
-                                    "(128 regs/thread): 249 TFLOP/s against 248 at block_m 32, deterministic 1.18x "
-                                    "against 1.38x; 145 KB"),
+                                    "(128 regs/thread): 261 TFLOP/s against 243 at block_m 32, deterministic 1.19x "
+                                    "against 1.36x; 145 KB"),
     192: BwdTile(64, 64, 2, True, "two passes; 153 KB"),
     256: BwdTile(64, 64, 2, True, "two passes; 200 KB, Hopper's 227 KB only"),
 }
