@@ -402,6 +402,13 @@ def model_pair(name, reference="sdpa", **overrides):
     return ours, theirs
 
 
+def tiny_mistral_config(transformers):
+    """A two-layer Mistral with GQA (4 query heads, 2 key/value heads) and a 4-token sliding window."""
+    return transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=128, sliding_window=4)
+
+
 def same_model(transformers, config, *implementations):
     models = []
     for implementation in implementations:
@@ -565,9 +572,7 @@ def test_hf_flashtile_packed_sequences_do_not_attend_across(flash_name, flash_ca
 
 def test_hf_flashtile_sliding_window_and_softcap(flash_name, flash_calls):
     transformers = sys.modules["transformers"]
-    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                        max_position_embeddings=128, sliding_window=4)
+    config = tiny_mistral_config(transformers)
     ours, theirs = same_model(transformers, config, flash_name, "sdpa")
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(17))
     logits = ours(ids).logits
@@ -656,9 +661,7 @@ def test_hf_generate_with_kv_cache(counted_calls):
 def test_hf_sliding_window_mask_is_served(counted_calls):
     name = tile_name()
     transformers = sys.modules["transformers"]
-    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                        max_position_embeddings=128, sliding_window=4)
+    config = tiny_mistral_config(transformers)
     ours, theirs = same_model(transformers, config, name, "sdpa")
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(17))
     with no_fallback():
