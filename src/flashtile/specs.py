@@ -178,9 +178,11 @@ def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: boo
 
 
 # ---------------------------------------------------------------------------------------------------
-# Rung 4 backward (kernels/sm80/bwd.cu). A block owns block_n keys (16 per warp) and keeps their dK and dV
-# in registers: (d + dv) / 2 fp32 registers per thread, plus 2 x block_m / 2 for S and dP. Past head dim 128
-# that does not fit in 255 registers, so those dims run two passes (split: dV, then dK and dQ).
+# Rung 4 backward, the 16-keys-per-warp kernel (kernels/sm80/bwd.cu): head dims past 128, GPUs with 99 KB of
+# shared memory, and softcap/ALiBi (the grid kernel below serves the rest). A block owns block_n keys (16 per
+# warp) and keeps their dK and dV in registers: (d + dv) / 2 fp32 registers per thread, plus 2 x block_m / 2
+# for S and dP. Past head dim 128 that does not fit in 255 registers, so those dims run two passes (split: dV,
+# then dK and dQ).
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -229,9 +231,65 @@ def bwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdTile:
     return tile
 
 
+# The per-phase warp-grid kernel (kernels/sm80/bwd_grid.cu) for head dims up to 128 on GPUs with >= 160 KB of
+# shared memory per block. Per step (block_m queries) each phase splits the 8 warps its own way: S/dP over
+# keys x queries, dK/dV over keys x head dim, dQ over queries x head dim, so that each fragment read from shared
+# memory feeds several mmas (the 16-keys-per-warp kernel is bound by shared-memory bandwidth).
+
+
+@dataclass(frozen=True)
+class BwdGridTile:
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    warps_keys_sdp: int    # phase 1: warps along keys (the rest along queries)
+    warps_keys_dkv: int    # phase 2: warps along keys (the rest along the head dim)
+    warps_queries_dq: int  # phase 3: warps along queries (the rest along the head dim)
+    why: str
+
+
+BWD_GRID_TILES = {
+    64: BwdGridTile(64, 128, 8, 2, 4, 4, 2, "FA2's tile: each warp 32 keys x 32 queries, then 32 keys x 32 "
+                                            "columns of dK and dV; 198 registers, 97 KB"),
+    96: BwdGridTile(64, 128, 8, 2, 4, 4, 4, "as d64 with dQ split 4 x 2 (6 n8 tiles per warp); 129 KB"),
+    128: BwdGridTile(64, 128, 8, 2, 4, 4, 2, "FA2's tile: dK + dV 64 + 64 registers; 255 registers with the "
+                                             "phase-1 loops kept rolled (unrolled they spill 92 B); 161 KB"),
+}
+
+
+# ptxas for sm_80 allocates differently: rows where the Hopper row spills there.
+BWD_GRID_TILES_SM80 = {
+    128: BwdGridTile(64, 128, 8, 1, 4, 4, 2, "two query buffers spill 12 B with sm_80's allocation; one: 129 KB"),
+}
+
+
+def bwd_grid_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdGridTile | None:
+    """The grid kernel's tile, or None where the 16-keys-per-warp kernel serves."""
+    if score_mods or SMEM_LIMIT.get(arch, 101376) < 160 * 1024:
+        return None
+    if arch != "sm_90a" and head_dim in BWD_GRID_TILES_SM80:
+        return BWD_GRID_TILES_SM80[head_dim]
+    return BWD_GRID_TILES.get(head_dim)
+
+
+def bwd_grid_spec(dtype: str, d: int, dv: int, arch: str, tile: BwdGridTile) -> KernelSpec:
+    m, n, stages = tile.block_m, tile.block_n, tile.stages
+    smem = (n * (d + dv) + stages * m * (d + dv) + 2 * n * m) * ELEM_BYTES + 2 * stages * m * 4
+    defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
+               ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_WARPS_KEYS_SDP", tile.warps_keys_sdp),
+               ("FT_WARPS_KEYS_DKV", tile.warps_keys_dkv), ("FT_WARPS_QUERIES_DQ", tile.warps_queries_dq),
+               ("FT_SOFTCAP", 0), ("FT_ALIBI", 0))
+    return KernelSpec("sm80/bwd_grid.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, arch,
+                      defines, smem)
+
+
 def bwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,
              alibi: bool = False) -> KernelSpec:
     d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
+    grid_tile = bwd_grid_tile(max(d, dv), arch, softcap or alibi)
+    if grid_tile is not None:
+        return bwd_grid_spec(dtype, d, dv, arch, grid_tile)
     tile = bwd_tile(max(d, dv), arch, softcap or alibi)
     m, n, stages = tile.block_m, tile.block_n, tile.stages
     smem = (n * (d + dv) + stages * m * (d + dv) + n * m) * ELEM_BYTES + 2 * stages * m * 4
