@@ -253,14 +253,8 @@ BWD_GRID_TILES = {
     64: BwdGridTile(64, 128, 8, 2, 4, 4, 2, "FA2's tile: each warp 32 keys x 32 queries, then 32 keys x 32 "
                                             "columns of dK and dV; 198 registers, 97 KB"),
     96: BwdGridTile(64, 128, 8, 2, 4, 4, 4, "as d64 with dQ split 4 x 2 (6 n8 tiles per warp); 129 KB"),
-    128: BwdGridTile(64, 128, 8, 2, 4, 4, 2, "FA2's tile: dK + dV 64 + 64 registers; 255 registers with the "
+    128: BwdGridTile(64, 128, 8, 2, 4, 4, 2, "FA2's tile: dK + dV 64 + 64 registers; 253 registers with the "
                                              "phase-1 loops kept rolled (unrolled they spill 92 B); 161 KB"),
-}
-
-
-# ptxas for sm_80 allocates differently: rows where the Hopper row spills there.
-BWD_GRID_TILES_SM80 = {
-    128: BwdGridTile(64, 128, 8, 1, 4, 4, 2, "two query buffers spill 12 B with sm_80's allocation; one: 129 KB"),
 }
 
 
@@ -268,8 +262,6 @@ def bwd_grid_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdGrid
     """The grid kernel's tile, or None where the 16-keys-per-warp kernel serves."""
     if score_mods or SMEM_LIMIT.get(arch, 101376) < 160 * 1024:
         return None
-    if arch != "sm_90a" and head_dim in BWD_GRID_TILES_SM80:
-        return BWD_GRID_TILES_SM80[head_dim]
     return BWD_GRID_TILES.get(head_dim)
 
 

@@ -67,6 +67,43 @@ __device__ __forceinline__ float unpack_half(u32 pair, int e) {
     return to_float(T{(u16)(e ? pair >> 16 : pair & 0xffffu)});
 }
 
+// Phase 1's product: acc (this warp's kSlabs1 x 16 keys by kQueryTiles1 x 8 queries) += A B^T over kDim
+// columns, A = rows of a keys-major tile (K or V), B = rows of a queries-major tile (Q or dO). The loop over
+// the columns stays rolled (unrolled, it spills at d128), so the fragments are double-buffered by hand: the
+// next 16 columns' loads are issued before this step's mmas, and no mma waits on a load issued just before it.
+template <typename ATile, typename BTile, int kDim>
+__device__ __forceinline__ void keys_by_queries(float (&acc)[kSlabs1][kQueryTiles1][4], u32 a_smem, u32 b_smem,
+                                                LaneOffsets a_lane, LaneOffsets b_lane, int key0, int query0) {
+    constexpr int kSteps = kDim / kMmaK;
+    static_assert(kSteps % 2 == 0, "the column steps go in pairs, one per fragment buffer");
+    u32 a[2][kSlabs1][4], b[2][kQueryTiles1 / 2][4];
+    auto load = [&](int buf, int kk) {
+#pragma unroll
+        for (int sl = 0; sl < kSlabs1; ++sl)
+            ldmatrix_x4(a[buf][sl], a_smem + kElemBytes * ATile::fragment_offset(a_lane, key0 + sl * kMmaM, kk * kMmaK));
+#pragma unroll
+        for (int np = 0; np < kQueryTiles1 / 2; ++np)
+            ldmatrix_x4(b[buf][np], b_smem + kElemBytes * BTile::fragment_offset(b_lane, query0 + np * 16, kk * kMmaK));
+    };
+    auto multiply = [&](int buf) {
+#pragma unroll
+        for (int np = 0; np < kQueryTiles1 / 2; ++np)
+#pragma unroll
+            for (int sl = 0; sl < kSlabs1; ++sl) {
+                mma_16816(acc[sl][2 * np], a[buf][sl], b[buf][np][0], b[buf][np][1]);
+                mma_16816(acc[sl][2 * np + 1], a[buf][sl], b[buf][np][2], b[buf][np][3]);
+            }
+    };
+    load(0, 0);
+#pragma unroll 1
+    for (int kk = 0; kk < kSteps; kk += 2) {
+        load(1, kk + 1);
+        multiply(0);
+        if (kk + 2 < kSteps) load(0, kk + 2);
+        multiply(1);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // The main kernel: one block per (key tile, key/value head, batch).
 // ---------------------------------------------------------------------------------------------------
@@ -204,23 +241,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
         [[maybe_unused]] u32 dcap[kSoftcap ? kSlabs1 : 1][kSoftcap ? kQueryTiles1 : 1][2];  // 1 - tanh^2, fp16 pairs
         {
             float s[kSlabs1][kQueryTiles1][4] = {};
-#pragma unroll 1
-            for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
-                u32 a[kSlabs1][4];
-#pragma unroll
-                for (int sl = 0; sl < kSlabs1; ++sl)
-                    ldmatrix_x4(a[sl], k_smem + kElemBytes * KTile::fragment_offset(a_lane, key0_1 + sl * kMmaM, kk * kMmaK));
-#pragma unroll
-                for (int np = 0; np < kQueryTiles1 / 2; ++np) {
-                    u32 bq[4];
-                    ldmatrix_x4(bq, sq + kElemBytes * QTile::fragment_offset(b_rows_lane, query0_1 + np * 16, kk * kMmaK));
-#pragma unroll
-                    for (int sl = 0; sl < kSlabs1; ++sl) {
-                        mma_16816(s[sl][2 * np], a[sl], bq[0], bq[1]);
-                        mma_16816(s[sl][2 * np + 1], a[sl], bq[2], bq[3]);
-                    }
-                }
-            }
+            keys_by_queries<KTile, QTile, kHeadDim>(s, k_smem, sq, a_lane, b_rows_lane, key0_1, query0_1);
 #pragma unroll
             for (int sl = 0; sl < kSlabs1; ++sl)
 #pragma unroll
@@ -260,23 +281,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
         // Phase 1b. dP^T = V dO^T, then dS^T = P^T o (dP^T - D) (o the softcap's derivative) to shared memory.
         {
             float dp[kSlabs1][kQueryTiles1][4] = {};
-#pragma unroll 1
-            for (int kk = 0; kk < kHeadDimV / kMmaK; ++kk) {
-                u32 a[kSlabs1][4];
-#pragma unroll
-                for (int sl = 0; sl < kSlabs1; ++sl)
-                    ldmatrix_x4(a[sl], v_smem + kElemBytes * VTile::fragment_offset(a_lane, key0_1 + sl * kMmaM, kk * kMmaK));
-#pragma unroll
-                for (int np = 0; np < kQueryTiles1 / 2; ++np) {
-                    u32 bo[4];
-                    ldmatrix_x4(bo, sdo + kElemBytes * DoTile::fragment_offset(b_rows_lane, query0_1 + np * 16, kk * kMmaK));
-#pragma unroll
-                    for (int sl = 0; sl < kSlabs1; ++sl) {
-                        mma_16816(dp[sl][2 * np], a[sl], bo[0], bo[1]);
-                        mma_16816(dp[sl][2 * np + 1], a[sl], bo[2], bo[3]);
-                    }
-                }
-            }
+            keys_by_queries<VTile, DoTile, kHeadDimV>(dp, v_smem, sdo, a_lane, b_rows_lane, key0_1, query0_1);
 #pragma unroll
             for (int sl = 0; sl < kSlabs1; ++sl)
 #pragma unroll
