@@ -21,7 +21,7 @@ CANDIDATES = {  # head_dim -> [(block_m, block_n, stages)] for bwd.cu
 GRID_CANDIDATES = {  # head_dim -> [(block_m, block_n, warps, stages, keys_sdp, keys_dkv, queries_dq)] for bwd_grid.cu
     64: [(64, 128, 8, 2, 4, 4, 2), (64, 64, 4, 2, 2, 2, 2)],
     128: [(64, 128, 8, 2, 4, 4, 2), (64, 128, 8, 2, 4, 4, 4), (64, 128, 8, 1, 4, 4, 2)],
-    256: [],
+    256: [(64, 64, 8, 2, 4, 2, 2), (64, 64, 8, 2, 4, 4, 4), (64, 64, 8, 1, 4, 2, 2)],
 }
 ORIGINAL_GRID_TILE, ORIGINAL_TILE = specs.bwd_grid_tile, specs.bwd_tile
 

@@ -255,19 +255,30 @@ BWD_GRID_TILES = {
     96: BwdGridTile(64, 128, 8, 2, 4, 4, 4, "as d64 with dQ split 4 x 2 (6 n8 tiles per warp); 129 KB"),
     128: BwdGridTile(64, 128, 8, 2, 4, 4, 2, "FA2's tile: dK + dV 64 + 64 registers; 253 registers with the "
                                              "phase-1 loops kept rolled (unrolled they spill 92 B); 161 KB"),
+    192: BwdGridTile(64, 64, 8, 2, 4, 2, 4, "one pass where bwd.cu needs two: each warp 32 keys x 48 columns of "
+                                            "dK and dV; 161 KB"),
+    256: BwdGridTile(64, 64, 8, 2, 4, 2, 2, "FA2's d256 tile, one pass: each warp 32 keys x 64 columns of dK and "
+                                            "dV (128 registers); 209 KB, Hopper only"),
 }
 
 
 def bwd_grid_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdGridTile | None:
     """The grid kernel's tile, or None where the 16-keys-per-warp kernel serves."""
-    if score_mods or SMEM_LIMIT.get(arch, 101376) < 160 * 1024:
+    tile = BWD_GRID_TILES.get(head_dim)
+    if tile is None or score_mods or SMEM_LIMIT.get(arch, 101376) < bwd_grid_smem(head_dim, head_dim, tile):
         return None
-    return BWD_GRID_TILES.get(head_dim)
+    return tile
+
+
+def bwd_grid_smem(d: int, dv: int, tile: BwdGridTile) -> int:
+    """K, V, the query ring (Q and dO), P^T and dS^T, and the ring's two numbers per query row."""
+    m, n, stages = tile.block_m, tile.block_n, tile.stages
+    return (n * (d + dv) + stages * m * (d + dv) + 2 * n * m) * ELEM_BYTES + 2 * stages * m * 4
 
 
 def bwd_grid_spec(dtype: str, d: int, dv: int, arch: str, tile: BwdGridTile) -> KernelSpec:
     m, n, stages = tile.block_m, tile.block_n, tile.stages
-    smem = (n * (d + dv) + stages * m * (d + dv) + 2 * n * m) * ELEM_BYTES + 2 * stages * m * 4
+    smem = bwd_grid_smem(d, dv, tile)
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_WARPS_KEYS_SDP", tile.warps_keys_sdp),
                ("FT_WARPS_KEYS_DKV", tile.warps_keys_dkv), ("FT_WARPS_QUERIES_DQ", tile.warps_queries_dq),

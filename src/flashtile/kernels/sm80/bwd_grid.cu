@@ -61,10 +61,19 @@ struct SharedStorage {
     float dsum[kStages][kBlockM];
 };
 
-// One of the two 16-bit values of a packed pair, as a float (e = 0: the low half).
+// One of the two 16-bit values of a packed pair of probabilities (in [0, 1]), as a float (e = 0: the low half).
+// bf16 widens by a shift; a non-negative fp16 widens exactly as its bits shifted into fp32's exponent and
+// mantissa, scaled by 2^(127 - 15) (cvt.f32.f16 left ptxas 4 bytes short at d256 on sm_90a).
 template <typename T>
-__device__ __forceinline__ float unpack_half(u32 pair, int e) {
+__device__ __forceinline__ float unpack_probability(u32 pair, int e) {
     return to_float(T{(u16)(e ? pair >> 16 : pair & 0xffffu)});
+}
+constexpr int kF16ToF32MantissaShift = 23 - 10;
+constexpr float kF16ToF32ExponentScale = 0x1p112f;
+template <>
+__device__ __forceinline__ float unpack_probability<f16_t>(u32 pair, int e) {
+    const u32 bits = e ? pair >> 16 : pair & 0xffffu;
+    return __uint_as_float(bits << kF16ToF32MantissaShift) * kF16ToF32ExponentScale;
 }
 
 // Phase 1's product: acc (this warp's kSlabs1 x 16 keys by kQueryTiles1 x 8 queries) += A B^T over kDim
@@ -293,9 +302,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const int col = j * kMmaN + e;
-                            dse[e] = unpack_half<elem_t>(p16[sl][j][half], e) *
+                            dse[e] = unpack_probability<elem_t>(p16[sl][j][half], e) *
                                      (dp[sl][j][2 * half + e] - ld_shared_in_order(dsum_row + col * sizeof(float)));
-                            if constexpr (kSoftcap) dse[e] *= unpack_half<f16_t>(dcap[sl][j][half], e);
+                            if constexpr (kSoftcap) dse[e] *= unpack_probability<f16_t>(dcap[sl][j][half], e);
                         }
                         *reinterpret_cast<u32*>(smem.ds + PTile::offset(key_local, query0_1 + j * kMmaN + 2 * t)) =
                             pack2<elem_t>(dse[0], dse[1]);
