@@ -2,7 +2,8 @@
 deterministic mode's time over the default's for each tile.
 
 Usage (on the GPU machine): python scripts/tune_bwd.py [d ...] — a lab bench for choosing rows of
-specs.BWD_TILES_*; the reasons in that table come from runs of this script.
+specs.BWD_TILES_* (the 16-keys-per-warp kernel, bwd.cu) and specs.BWD_GRID_TILES (the warp-grid kernel,
+bwd_grid.cu); the reasons in those tables come from runs of this script.
 """
 
 import sys
@@ -13,11 +14,26 @@ import flashtile
 from flashtile import backward, jit, specs
 from flashtile.bench import measure, peers
 
-CANDIDATES = {  # head_dim -> [(block_m, block_n, stages)]
-    64: [(64, 128, 2), (128, 128, 2), (128, 128, 3)],
-    128: [(32, 128, 2), (64, 128, 2), (64, 128, 3)],
-    256: [(64, 64, 2), (64, 64, 1)],
+CANDIDATES = {  # head_dim -> [(block_m, block_n, stages)] for bwd.cu
+    64: [(64, 128, 2), (128, 128, 2)],
+    128: [(32, 128, 2), (64, 128, 2)],
+    192: [(64, 64, 2)],
+    256: [(64, 64, 2)],
 }
+GRID_CANDIDATES = {  # head_dim -> [(block_m, block_n, warps, stages, keys_sdp, keys_dkv, queries_dq)] for bwd_grid.cu
+    64: [(64, 128, 8, 2, 4, 4, 2), (64, 64, 4, 2, 2, 2, 2)],
+    128: [(64, 128, 8, 2, 4, 4, 2), (64, 128, 8, 2, 4, 4, 4), (64, 128, 8, 1, 4, 4, 2)],
+    192: [(64, 64, 8, 2, 4, 2, 4)],
+    256: [(64, 64, 8, 2, 4, 2, 2)],
+}
+ORIGINAL_GRID_TILE, ORIGINAL_TILE = specs.bwd_grid_tile, specs.bwd_tile
+
+
+def _use(tile=None, grid_tile=None):
+    """Make bwd_spec pick exactly this tile of one kernel."""
+    specs.bwd_grid_tile = lambda head_dim, arch, score_mods=False: grid_tile
+    specs.bwd_tile = (lambda head_dim, arch, score_mods=False: tile) if tile else ORIGINAL_TILE
+    backward._modules.clear()
 
 
 def main(dims):
@@ -30,10 +46,10 @@ def main(dims):
             run = peers.sdpa_backward_runner("sdpa-flash", *leaves, causal)
             row = [f"d{d} n{seqlen} c{int(causal)} sdpa-flash={flops / measure.time_cuda(run, reps=10) / 1e9:.0f}"]
             del run
-            for bm, bn, stages in CANDIDATES[d]:
-                tile = specs.BwdTile(bm, bn, stages, d > 128, "candidate")
-                specs.bwd_tile = lambda head_dim, arch, score_mods=False, tile=tile: tile
-                backward._modules.clear()
+            cases = [("bwd", c, specs.BwdTile(*c[:3], d > 128, "candidate"), None) for c in CANDIDATES[d]]
+            cases += [("grid", c, None, specs.BwdGridTile(*c, "candidate")) for c in GRID_CANDIDATES[d]]
+            for kernel, cand, tile, grid_tile in cases:
+                _use(tile, grid_tile)
                 spec = specs.bwd_spec("bf16", d, d, "sm_90a")
                 if spec.smem_bytes > specs.SMEM_LIMIT["sm_90a"]:
                     continue
@@ -44,9 +60,11 @@ def main(dims):
                         lambda: flashtile.attention(*leaves, causal=causal, deterministic=deterministic), leaves)
                     times[deterministic] = measure.time_cuda(run, reps=10)
                     del run
-                row.append(f"{(bm, bn, stages)}[{res.registers}r{'/spill' if res.spill_stores else ''}]="
+                row.append(f"{kernel}{cand}[{res.registers}r{'/spill' if res.spill_stores else ''}]="
                            f"{flops / times[False] / 1e9:.0f} det {times[True] / times[False]:.2f}x")
             print("  ".join(row), flush=True)
+    _use()
+    specs.bwd_grid_tile = ORIGINAL_GRID_TILE
 
 
 if __name__ == "__main__":

@@ -85,9 +85,10 @@ def test_strided_views_of_a_packed_qkv(poisoned_grads):
 
 @pytest.mark.parametrize("features", [{"causal": True}, {}, {"window_size": (200, 10)}], ids=str)
 @pytest.mark.parametrize("heads", [(16, 16), (16, 2)], ids=str)
-def test_deterministic_backward_is_bitwise_repeatable(features, heads):
+@pytest.mark.parametrize("head_dim", [128, 256])  # bwd.cu, and bwd_grid.cu on Hopper
+def test_deterministic_backward_is_bitwise_repeatable(features, heads, head_dim):
     torch.manual_seed(0)
-    q, k, v = _inputs(2, 1500, 1500, *heads, 128, 128, torch.bfloat16)
+    q, k, v = _inputs(2, 1500, 1500, *heads, head_dim, head_dim, torch.bfloat16)
     out = flashtile.attention(q, k, v, deterministic=True, **features)
     dout = torch.randn_like(out)
     first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)

@@ -178,11 +178,13 @@ def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: boo
 
 
 # ---------------------------------------------------------------------------------------------------
-# Rung 4 backward (kernels/sm80/bwd.cu). A block owns block_n keys (16 per warp) and keeps their dK and dV in
-# registers: (d + dv) / 2 fp32 registers per thread, plus block_m / 2 for dP and block_m / 4 for P (kept as
-# 16-bit pairs in one-pass 64+-query steps). Past head dim 128 that does not fit in 255 registers, so those
-# dims run two passes (split: dV, then dK and dQ). The reasons' numbers come from scripts/tune_bwd.py on the
-# H200 at n16k, both tiles of a row in one run (d64 and d128: 2026-11-29 afternoon).
+# Rung 4 backward, the 16-keys-per-warp kernel (kernels/sm80/bwd.cu): every head dim up to 128, GPUs with 99 KB of
+# shared memory, and softcap/ALiBi (the grid kernel below serves d192 and d256 on Hopper). A block owns block_n
+# keys (16 per warp) and keeps their dK and dV in registers: (d + dv) / 2 fp32 registers per thread, plus
+# block_m / 2 for dP and block_m / 4 for P (kept as 16-bit pairs in one-pass 64+-query steps). Past head dim
+# 128 that does not fit in 255 registers, so those dims run two passes (split: dV, then dK and dQ). The
+# reasons' numbers come from scripts/tune_bwd.py on the H200 at n16k, both tiles of a row in one run (d64 and
+# d128: 2026-11-29 afternoon).
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -233,9 +235,66 @@ def bwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdTile:
     return tile
 
 
+# The per-phase warp-grid kernel (kernels/sm80/bwd_grid.cu), for head dims 192 and 256 where its tile fits the
+# GPU's shared memory (Hopper). Per step (block_m queries) each phase splits the 8 warps its own way: S/dP over
+# keys x queries, dK/dV over keys x head dim, dQ over queries x head dim, so dK and dV of a 64-key block fit the
+# registers in one pass (bwd.cu needs two past d128, recomputing S in each). At d <= 128 bwd.cu is faster
+# (d128 n16k: 260 against 241-245 TFLOP/s for this kernel's best tile), so only the two large dims are listed;
+# scripts/tune_bwd.py sweeps both kernels' tiles at any head dim.
+
+
+@dataclass(frozen=True)
+class BwdGridTile:
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    warps_keys_sdp: int    # phase 1: warps along keys (the rest along queries)
+    warps_keys_dkv: int    # phase 2: warps along keys (the rest along the head dim)
+    warps_queries_dq: int  # phase 3: warps along queries (the rest along the head dim)
+    why: str
+
+
+BWD_GRID_TILES = {
+    192: BwdGridTile(64, 64, 8, 2, 4, 2, 4, "one pass where bwd.cu needs two: each warp 32 keys x 48 columns of "
+                                            "dK and dV; 161 KB"),
+    256: BwdGridTile(64, 64, 8, 2, 4, 2, 2, "FA2's d256 tile, one pass: each warp 32 keys x 64 columns of dK and "
+                                            "dV (128 registers); 209 KB, Hopper only. n16k 191/195 TFLOP/s "
+                                            "against bwd.cu's two passes 163/165 (same run, 2026-11-29)"),
+}
+
+
+def bwd_grid_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdGridTile | None:
+    """The grid kernel's tile, or None where the 16-keys-per-warp kernel serves."""
+    tile = BWD_GRID_TILES.get(head_dim)
+    if tile is None or score_mods or SMEM_LIMIT.get(arch, 101376) < bwd_grid_smem(head_dim, head_dim, tile):
+        return None
+    return tile
+
+
+def bwd_grid_smem(d: int, dv: int, tile: BwdGridTile) -> int:
+    """K, V, the query ring (Q and dO), P^T and dS^T, and the ring's two numbers per query row."""
+    m, n, stages = tile.block_m, tile.block_n, tile.stages
+    return (n * (d + dv) + stages * m * (d + dv) + 2 * n * m) * ELEM_BYTES + 2 * stages * m * 4
+
+
+def bwd_grid_spec(dtype: str, d: int, dv: int, arch: str, tile: BwdGridTile) -> KernelSpec:
+    m, n, stages = tile.block_m, tile.block_n, tile.stages
+    smem = bwd_grid_smem(d, dv, tile)
+    defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
+               ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_WARPS_KEYS_SDP", tile.warps_keys_sdp),
+               ("FT_WARPS_KEYS_DKV", tile.warps_keys_dkv), ("FT_WARPS_QUERIES_DQ", tile.warps_queries_dq),
+               ("FT_SOFTCAP", 0), ("FT_ALIBI", 0))
+    return KernelSpec("sm80/bwd_grid.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, arch,
+                      defines, smem)
+
+
 def bwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,
              alibi: bool = False) -> KernelSpec:
     d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
+    grid_tile = bwd_grid_tile(max(d, dv), arch, softcap or alibi)
+    if grid_tile is not None:
+        return bwd_grid_spec(dtype, d, dv, arch, grid_tile)
     tile = bwd_tile(max(d, dv), arch, softcap or alibi)
     m, n, stages = tile.block_m, tile.block_n, tile.stages
     smem = (n * (d + dv) + stages * m * (d + dv) + n * m) * ELEM_BYTES + 2 * stages * m * 4

@@ -17,25 +17,14 @@
 //           dV are summed in registers — no atomics, no extra pass. deterministic mode: the dQ additions of
 //           the blocks that share a query tile take turns in a fixed order (a per-tile turn counter).
 //           Head dims 192/256 would need more registers than a thread has for dK and dV together, so they
-//           run two passes (FT_SPLIT): one for dV, one for dK and dQ; S is recomputed in each.
+//           run two passes (FT_SPLIT): one for dV, one for dK and dQ; S is recomputed in each. On Hopper
+//           those dims go to bwd_grid.cu instead, which spreads dK and dV over the block in one pass.
 //           Preprocess (D, LSE in base 2, dq_accum zeroed) and the final dQ conversion are two small kernels.
 // Measured: see docs/performance.md (backward rows).
 // Wastes:   dQ leaves through fp32 atomics (FA3 does the same; a second pass over keys would avoid them at
 //           the cost of recomputing S and dP); mma.sync on Hopper, as in the forward.
-#include "../common/params.cuh"
-#include "../common/mask.cuh"
-#include "../common/tile.cuh"
+#include "bwd_common.cuh"
 
-constexpr int kHeadDim = FT_HEAD_DIM;      // padded q/k head dim of this build
-constexpr int kHeadDimV = FT_HEAD_DIM_V;   // padded v head dim
-constexpr int kBlockM = FT_BLOCK_M;        // queries per step              } specs.py BWD_TILES says why
-constexpr int kBlockN = FT_BLOCK_N;        // keys per block = 16 per warp  } for each head dim and arch
-constexpr int kWarps = FT_WARPS;
-constexpr int kStages = FT_STAGES;         // query tiles in the cp.async ring
-constexpr bool kSoftcap = FT_SOFTCAP;
-constexpr bool kAlibi = FT_ALIBI;
-
-constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kQueryTiles = kBlockM / kMmaN;   // n8 tiles across a query tile (columns of S^T)
 constexpr int kKTiles = kHeadDim / kMmaN;      // n8 tiles of a dK row slab
 constexpr int kVTiles = kHeadDimV / kMmaN;     // n8 tiles of a dV row slab
@@ -48,13 +37,6 @@ constexpr int kDqSlabs = kDqRows / kMmaM;
 constexpr int kDqPieces = (kBlockM / kDqRows) * (kHeadDim / kDqCols);
 static_assert(kBlockN == kWarps * kMmaM, "each warp owns 16 keys");
 static_assert(kBlockM % 32 == 0 && kHeadDim % kDqCols == 0, "tile shapes");
-static_assert(kStages >= 1, "the ring needs a stage");
-static_assert(kThreads >= kBlockM, "one thread per query row loads the per-row values");
-
-using KTile = SwizzledTile<kBlockN, kHeadDim>;
-using VTile = SwizzledTile<kBlockN, kHeadDimV>;
-using QTile = SwizzledTile<kBlockM, kHeadDim>;
-using DoTile = SwizzledTile<kBlockM, kHeadDimV>;
 using DsTile = SwizzledTile<kBlockN, kBlockM>;  // dS^T: keys x queries
 
 struct SharedStorage {
@@ -69,84 +51,6 @@ struct SharedStorage {
 
 // What one launch of the main kernel computes.
 enum Pass { kAll = 0, kOnlyDv = 1, kDkDq = 2 };
-
-constexpr u32 kElemBytes = sizeof(elem_t);
-constexpr int kPreprocessRows = 16;            // rows per block of the two row kernels
-constexpr int kRowWarps = 4;
-
-// dq_accum += (a, b) at two neighbouring floats: one vector reduction on Hopper, two scalar ones before it.
-__device__ __forceinline__ void red_add2(float* address, float a, float b) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(a), "f"(b) : "memory");
-#else
-    asm volatile("red.global.add.f32 [%0], %1;" :: "l"(address), "f"(a) : "memory");
-    asm volatile("red.global.add.f32 [%0], %1;" :: "l"(address + 1), "f"(b) : "memory");
-#endif
-}
-// A shared-memory load the compiler may not hoist above the tensor-core work before it (asm volatile keeps
-// program order): per-row values are then live only while they are used, not across the matrix products.
-__device__ __forceinline__ float ld_shared_in_order(u32 address) {
-    float value;
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(value) : "r"(address));
-    return value;
-}
-// One of the two 16-bit values of a packed pair of probabilities (in [0, 1]), as a float (e = 0: the low half).
-// bf16 widens by a shift. For fp16, a non-negative value widens exactly as its bits shifted into fp32's
-// exponent and mantissa, scaled by 2^(127 - 15) (denormals included): cvt.f32.f16 left ptxas 4 bytes short
-// of registers at d128 (sm_90a), this does not.
-template <typename T>
-__device__ __forceinline__ float unpack_probability(u32 pair, int e) {
-    return to_float(T{(u16)(e ? pair >> 16 : pair & 0xffffu)});
-}
-constexpr int kF16ToF32MantissaShift = 23 - 10;
-constexpr float kF16ToF32ExponentScale = 0x1p112f;
-template <>
-__device__ __forceinline__ float unpack_probability<f16_t>(u32 pair, int e) {
-    const u32 bits = e ? pair >> 16 : pair & 0xffffu;
-    return __uint_as_float(bits << kF16ToF32MantissaShift) * kF16ToF32ExponentScale;
-}
-__device__ __forceinline__ int load_acquire(const int* address) {
-    int value;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
-    return value;
-}
-__device__ __forceinline__ void store_release(int* address, int value) {
-    asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(address), "r"(value) : "memory");
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Preprocess, one warp per query row: D = rowsum(dO o O), the LSE in base 2, dq_accum zeroed.
-// ---------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(kRowWarps * kWarpSize)
-attn_bwd_preprocess(const __grid_constant__ BwdParams p) {
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const Problem pr = locate_problem(p.fwd, b, h);
-    const elem_t* out = static_cast<const elem_t*>(p.fwd.o) + pr.o_offset;
-    const elem_t* dout = static_cast<const elem_t*>(p.dout) +
-                         row_offset(p.do_batch_stride, p.do_row_stride, p.do_head_stride, b, pr.q_start, h);
-    for (int r = warp; r < kPreprocessRows; r += kRowWarps) {
-        const int row = blockIdx.x * kPreprocessRows + r;
-        if (row >= pr.seqlen_q) return;
-        float dot = 0.f;
-        for (int col = lane * kElemsPerVector; col < p.fwd.head_dim_v; col += kWarpSize * kElemsPerVector) {
-            float o8[kElemsPerVector], do8[kElemsPerVector];
-            widen_vector(*reinterpret_cast<const uint4*>(out + row * p.fwd.o_row_stride + col), o8);
-            widen_vector(*reinterpret_cast<const uint4*>(dout + row * p.do_row_stride + col), do8);
-#pragma unroll
-            for (int i = 0; i < kElemsPerVector; ++i) dot += o8[i] * do8[i];
-        }
-        dot = warp_sum(dot);
-        const i64 at = pr.lse_offset + row;
-        if (lane == 0) {
-            const float lse = p.fwd.lse[at];
-            p.dsum[at] = dot;
-            p.lse_log2[at] = lse == kNegInf ? -kNegInf : lse * kLog2e;
-        }
-        float4* accum = reinterpret_cast<float4*>(p.dq_accum + at * kHeadDim);
-        for (int i = lane; i < kHeadDim / 4; i += kWarpSize) accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-}
 
 // ---------------------------------------------------------------------------------------------------
 // The main kernel: one block per (key tile, key/value head, batch).
@@ -491,29 +395,3 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
     attn_bwd_block<kAll>(p);
 }
 #endif
-
-// ---------------------------------------------------------------------------------------------------
-// dQ = softmax_scale * dq_accum, in the dtype of q, one warp per row.
-// ---------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(kRowWarps * kWarpSize)
-attn_bwd_dq_convert(const __grid_constant__ BwdParams p) {
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const Problem pr = locate_problem(p.fwd, b, h);
-    elem_t* dq = static_cast<elem_t*>(p.dq) + row_offset(p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, b,
-                                                         pr.q_start, h);
-    for (int r = warp; r < kPreprocessRows; r += kRowWarps) {
-        const int row = blockIdx.x * kPreprocessRows + r;
-        if (row >= pr.seqlen_q) return;
-        const float* accum = p.dq_accum + (pr.lse_offset + row) * kHeadDim;
-        for (int col = lane * kElemsPerVector; col < p.fwd.head_dim; col += kWarpSize * kElemsPerVector) {
-            uint4 packed;
-            u32* words = reinterpret_cast<u32*>(&packed);
-#pragma unroll
-            for (int i = 0; i < kElemsPerVector / 2; ++i)
-                words[i] = pack2<elem_t>(accum[col + 2 * i] * p.fwd.softmax_scale,
-                                         accum[col + 2 * i + 1] * p.fwd.softmax_scale);
-            *reinterpret_cast<uint4*>(dq + row * p.dq_row_stride + col) = packed;
-        }
-    }
-}
