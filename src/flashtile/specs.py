@@ -257,10 +257,10 @@ class BwdGridTile:
 
 BWD_GRID_TILES = {
     192: BwdGridTile(64, 64, 8, 2, 4, 2, 4, "one pass where bwd.cu needs two: each warp 32 keys x 48 columns of "
-                                            "dK and dV; 161 KB"),
+                                            "dK and dV; 161 KB. n16k 188/191 TFLOP/s against bwd.cu's 166/168"),
     256: BwdGridTile(64, 64, 8, 2, 4, 2, 2, "FA2's d256 tile, one pass: each warp 32 keys x 64 columns of dK and "
-                                            "dV (128 registers); 209 KB, Hopper only. n16k 191/195 TFLOP/s "
-                                            "against bwd.cu's two passes 163/165 (same run, 2026-11-29)"),
+                                            "dV (128 registers); 209 KB, Hopper only. n16k 192/196 TFLOP/s "
+                                            "against bwd.cu's two passes 167/169 (same run, 2026-11-29)"),
 }
 
 
