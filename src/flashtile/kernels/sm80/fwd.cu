@@ -3,6 +3,7 @@
 // Idea:     rung 3's tensor-core algorithm, with the memory system kept busy and the arithmetic lean:
 //           * K/V tiles stream through a ring of FT_STAGES shared-memory buffers with cp.async: while the
 //             tensor cores work on tile i, tiles i+1 .. i+STAGES-1 are already in flight (one barrier/tile);
+//             with FT_STAGES 1, K and V take turns in one buffer each (half the memory, two barriers/tile);
 //           * shared memory is XOR-swizzled (common/tile.cuh) instead of padded: no bank conflicts, no waste;
 //           * each warp owns 16 * kSlabs rows, so every K/V fragment read from shared memory feeds kSlabs mmas;
 //           * the softmax runs in base 2 with the scale folded in: p = exp2(s * scale * log2(e) - m'), one
@@ -28,7 +29,7 @@ constexpr int kHeadDimV = FT_HEAD_DIM_V;   // padded v head dim
 constexpr int kBlockM = FT_BLOCK_M;        // query rows per block   } specs.py FWD_TILES says why
 constexpr int kBlockN = FT_BLOCK_N;        // keys per tile          } for each head dim and arch
 constexpr int kWarps = FT_WARPS;
-constexpr int kStages = FT_STAGES;         // K/V buffers in the cp.async ring (>= 2)
+constexpr int kStages = FT_STAGES;         // K/V buffers in the cp.async ring; 1: one K and one V buffer
 constexpr int kMinBlocksPerSM = FT_MIN_BLOCKS;
 constexpr bool kSoftcap = FT_SOFTCAP;
 constexpr bool kAlibi = FT_ALIBI;
@@ -39,7 +40,11 @@ constexpr int kWarpRows = kSlabs * kMmaM;
 constexpr int kScoreTiles = kBlockN / kMmaN;        // n8 score tiles per slab
 constexpr int kOutTiles = kHeadDimV / kMmaN;        // n8 output tiles per slab
 static_assert(kSlabs >= 1 && kBlockM == kWarps * kWarpRows, "BLOCK_M must be a multiple of 16 * WARPS");
-static_assert(kStages >= 2, "the ring needs at least two stages");
+static_assert(kStages >= 1, "K and V need a buffer each");
+// With one buffer each, K and V take turns (FlashAttention-2's schedule): V of tile i loads while Q K_i^T runs,
+// K of tile i+1 while the softmax and P V_i run. Half the shared memory of a two-stage ring, for two blocks per
+// SM where the ring would allow one (d256: 96 KB instead of 160 KB at 64 x 64); two barriers per tile.
+constexpr bool kTakeTurns = kStages == 1;
 
 using QTile = SwizzledTile<kBlockM, kHeadDim>;
 using OTile = SwizzledTile<kBlockM, kHeadDimV>;
@@ -96,10 +101,15 @@ attn_fwd(const __grid_constant__ AttnParams p) {
         v_loader.issue(v_smem + stage * kVStageBytes, n0, pr.seqlen_k);
     };
 
-    // Prologue: Q, then the first STAGES-1 K/V tiles, one commit group each (empty groups keep the count).
+    // Prologue: Q, then the first STAGES-1 K/V tiles, one commit group each (empty groups keep the count);
+    // taking turns, Q and the first K.
     TileLoader<kBlockM, kHeadDim, kThreads>(static_cast<const elem_t*>(p.q) + pr.q_offset, p.q_row_stride,
                                             p.head_dim).issue(q_smem, m0, pr.seqlen_q);
     cp_async_commit();
+    if constexpr (kTakeTurns) {
+        if (n_tiles > 0) k_loader.issue(k_smem, n_begin, pr.seqlen_k);
+        cp_async_commit();
+    }
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
         if (s < n_tiles) load_kv(s, s);
@@ -125,7 +135,8 @@ attn_fwd(const __grid_constant__ AttnParams p) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) { row_max[sl][half] = kNegInf; row_sum[sl][half] = 0.f; }
 
-    auto attend = [&](u32 sk, u32 sv, int n0, auto masked) {
+    // `scores_done` runs between Q K^T and the softmax (taking turns: wait for V, then start the next K).
+    auto attend = [&](u32 sk, u32 sv, int n0, auto masked, auto scores_done) {
         // S = Q K^T for this warp's rows: kSlabs x 16 rows by kBlockN keys.
         float s[kSlabs][kScoreTiles][4] = {};
 #pragma unroll
@@ -145,6 +156,8 @@ attn_fwd(const __grid_constant__ AttnParams p) {
                 }
             }
         }
+
+        scores_done();
 
         // Score modifications and the mask (boundary tiles only), then each row's tile maximum.
         float tile_max[kSlabs][2];
@@ -240,14 +253,30 @@ attn_fwd(const __grid_constant__ AttnParams p) {
 
     // Main loop: wait for tile `it`, refill the buffer tile it-1 used, compute on tile `it`.
     for (int it = 0; it < n_tiles; ++it) {
-        cp_async_wait<kStages - 2>();
-        __syncthreads();  // tile `it` is visible to all; every warp has finished with tile it-1's buffer
-        if (it + kStages - 1 < n_tiles) load_kv(it + kStages - 1, (it + kStages - 1) % kStages);
-        cp_async_commit();
-        const int stage = it % kStages, n0 = n_begin + it * kBlockN;
-        const u32 sk = k_smem + stage * kKStageBytes, sv = v_smem + stage * kVStageBytes;
-        if (mask.tile_unmasked(m0, m1, n0, n0 + kBlockN)) attend(sk, sv, n0, Bool<false>());
-        else attend(sk, sv, n0, Bool<true>());
+        if constexpr (kTakeTurns) {
+            const int n0 = n_begin + it * kBlockN;
+            cp_async_wait<0>();
+            __syncthreads();  // K_it is visible to all; every warp has finished with V_{it-1}
+            v_loader.issue(v_smem, n0, pr.seqlen_k);
+            cp_async_commit();
+            auto next_k = [&] {
+                cp_async_wait<0>();
+                __syncthreads();  // V_it is visible to all; every warp has finished with K_it
+                if (it + 1 < n_tiles) k_loader.issue(k_smem, n0 + kBlockN, pr.seqlen_k);
+                cp_async_commit();
+            };
+            if (mask.tile_unmasked(m0, m1, n0, n0 + kBlockN)) attend(k_smem, v_smem, n0, Bool<false>(), next_k);
+            else attend(k_smem, v_smem, n0, Bool<true>(), next_k);
+        } else {
+            cp_async_wait<(kTakeTurns ? 0 : kStages - 2)>();
+            __syncthreads();  // tile `it` is visible to all; every warp has finished with tile it-1's buffer
+            if (it + kStages - 1 < n_tiles) load_kv(it + kStages - 1, (it + kStages - 1) % kStages);
+            cp_async_commit();
+            const int stage = it % kStages, n0 = n_begin + it * kBlockN;
+            const u32 sk = k_smem + stage * kKStageBytes, sv = v_smem + stage * kVStageBytes;
+            if (mask.tile_unmasked(m0, m1, n0, n0 + kBlockN)) attend(sk, sv, n0, Bool<false>(), [] {});
+            else attend(sk, sv, n0, Bool<true>(), [] {});
+        }
     }
     cp_async_wait<0>();  // with no visible key tile, Q may still be in flight ...
     __syncthreads();     // ... from any thread, into rows another warp is about to overwrite with O
