@@ -25,11 +25,19 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
     return flops * (BWD_FLOP_FACTOR if backward else 1.0)
 
 
+# Warm-up lasts at least this long: an idle GPU's clocks take milliseconds to rise, and five calls of a 0.5 ms
+# kernel did not cover that (the H200 matrix timed the first kernel of a short row ~10% low, 2026-11-29).
+WARMUP_SECONDS = 0.05
+
+
 def time_cuda(fn: Callable[[], object], reps: int = 30, warmup: int = 5) -> float:
-    """Median milliseconds of `fn` over `reps` runs, each timed with its own pair of CUDA events."""
-    for _ in range(warmup):
+    """Median milliseconds of `fn` over `reps` runs, each timed with its own pair of CUDA events, after at least
+    `warmup` calls and WARMUP_SECONDS of warm-up."""
+    start, calls = time.perf_counter(), 0
+    while calls < warmup or time.perf_counter() - start < WARMUP_SECONDS:
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()  # the host's clock then follows the GPU's work, not the launch queue's
+        calls += 1
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for start, end in zip(starts, ends):
