@@ -17,7 +17,7 @@
 // Removes:  rung 3's synchronous loads (memory and math now overlap), its bank-conflict padding and its
 //           per-element mask tests on interior tiles.
 // Measured: 0.83 ms at b=4 h=16 n=4096 d=64 bf16 on the H200 (330 TFLOP/s): 2.1x rung 3, 414x rung 0;
-//           0.76-1.11x torch's FlashAttention-2 across the standard matrix (docs/performance.md).
+//           0.87-1.13x torch's FlashAttention-2 across the standard matrix (docs/performance.md).
 // Wastes:   on Hopper, mma.sync reaches roughly two thirds of the tensor cores' wgmma rate, and a warp
 //           cannot overlap its softmax with its own matrix products — the Hopper rung's job.
 #include "../common/params.cuh"
