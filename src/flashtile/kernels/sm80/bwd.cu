@@ -132,20 +132,8 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
     const int n1 = min(n0 + kBlockN, pr0.seqlen_k);
     const Mask mask(f.window_left, f.window_right, pr0.seqlen_q, pr0.seqlen_k);
 
-    // The query tiles whose forward visited this key tile: m visits n iff the forward's key range of m
-    // overlaps [n0, n1). It is one interval of m; start from the mask's inverse and trim to it exactly
-    // (deterministic mode counts on both sides agreeing on who contributes to which dQ tile).
-    auto visits = [&](int m) {
-        const int r0 = m * kBlockM, r1 = min(r0 + kBlockM, pr0.seqlen_q);
-        return mask.key_begin(r0) < n1 && mask.key_end(r1) > n0;
-    };
-    const int m_tiles_all = ceil_div(pr0.seqlen_q, kBlockM);
-    int m_lo = f.window_right < 0 ? 0 : max(0, n0 - mask.offset - f.window_right) / kBlockM;
-    int m_hi = f.window_left < 0 ? m_tiles_all
-                                 : min(m_tiles_all, max(0, ceil_div(n1 - mask.offset + f.window_left, kBlockM)));
-    while (m_lo < m_hi && !visits(m_lo)) ++m_lo;
-    while (m_hi > m_lo && !visits(m_hi - 1)) --m_hi;
-    const int m_tiles = m_hi - m_lo;
+    const QueryTiles visited = visited_query_tiles(f, mask, pr0.seqlen_q, n0, n1);
+    const int m_hi = visited.hi, m_tiles = visited.hi - visited.lo;
     const int steps = m_tiles * f.group;  // (query head of the group, query tile) pairs, head-major
     // Query tiles are visited last to first. Under a causal mask every key tile then starts on the same,
     // last, query tile, which in deterministic mode turns the wait for earlier key tiles into a lag of one

@@ -69,6 +69,25 @@ __device__ __forceinline__ void store_release(int* address, int value) {
     asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(address), "r"(value) : "memory");
 }
 
+// The query tiles [lo, hi) whose forward visited keys [n0, n1): tile m visits iff the forward's key range of m
+// overlaps [n0, n1). It is one interval of m; start from the mask's inverse and trim to it exactly
+// (deterministic mode counts on both sides agreeing on who contributes to which dQ tile).
+struct QueryTiles { int lo, hi; };
+__device__ __forceinline__ QueryTiles visited_query_tiles(const AttnParams& f, const Mask& mask, int seqlen_q, int n0,
+                                                          int n1) {
+    auto visits = [&](int m) {
+        const int r0 = m * kBlockM, r1 = min(r0 + kBlockM, seqlen_q);
+        return mask.key_begin(r0) < n1 && mask.key_end(r1) > n0;
+    };
+    const int m_tiles_all = ceil_div(seqlen_q, kBlockM);
+    int m_lo = f.window_right < 0 ? 0 : max(0, n0 - mask.offset - f.window_right) / kBlockM;
+    int m_hi = f.window_left < 0 ? m_tiles_all
+                                 : min(m_tiles_all, max(0, ceil_div(n1 - mask.offset + f.window_left, kBlockM)));
+    while (m_lo < m_hi && !visits(m_lo)) ++m_lo;
+    while (m_hi > m_lo && !visits(m_hi - 1)) --m_hi;
+    return {m_lo, m_hi};
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Preprocess, one warp per query row: D = rowsum(dO o O), the LSE in base 2, dq_accum zeroed.
 // ---------------------------------------------------------------------------------------------------
