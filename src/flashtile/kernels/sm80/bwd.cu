@@ -143,32 +143,13 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
     const u32 k_smem = smem_addr(smem.k), v_smem = smem_addr(smem.v), ds_smem = smem_addr(smem.ds);
     const u32 q_smem = smem_addr(smem.q[0]), do_smem = smem_addr(smem.dout[0]);
     const u32 lse_smem = smem_addr(smem.lse_log2[0]), dsum_smem = smem_addr(smem.dsum[0]);
-    constexpr u32 kQStageBytes = QTile::kElems * kElemBytes, kDoStageBytes = DoTile::kElems * kElemBytes;
-    constexpr u32 kRowStageBytes = kBlockM * sizeof(float);
+    constexpr u32 kQStageBytes = QueryRing::kQStageBytes, kDoStageBytes = QueryRing::kDoStageBytes;
+    constexpr u32 kRowStageBytes = QueryRing::kRowStageBytes;
 
     // K and V once, then the first query tiles.
-    TileLoader<kBlockN, kHeadDim, kThreads>(static_cast<const elem_t*>(f.k) + pr0.k_offset, f.k_row_stride,
-                                            f.head_dim).issue(k_smem, n0, pr0.seqlen_k);
-    TileLoader<kBlockN, kHeadDimV, kThreads>(static_cast<const elem_t*>(f.v) + pr0.v_offset, f.v_row_stride,
-                                             f.head_dim_v).issue(v_smem, n0, pr0.seqlen_k);
-    const TileLoader<kBlockM, kHeadDim, kThreads> q_loader(static_cast<const elem_t*>(f.q) + pr0.q_offset,
-                                                            f.q_row_stride, f.head_dim);
-    const TileLoader<kBlockM, kHeadDimV, kThreads> do_loader(
-        static_cast<const elem_t*>(p.dout) + row_offset(p.do_batch_stride, p.do_row_stride, p.do_head_stride, b,
-                                                        pr0.q_start, h_first),
-        p.do_row_stride, f.head_dim_v);
-    auto load_step = [&](int step, int stage) {
-        const int head = step / m_tiles, m0 = m_tile_of(step) * kBlockM;
-        q_loader.issue(q_smem + stage * kQStageBytes, m0, pr0.seqlen_q, head * f.q_head_stride);
-        do_loader.issue(do_smem + stage * kDoStageBytes, m0, pr0.seqlen_q, head * p.do_head_stride);
-        if (threadIdx.x < kBlockM) {
-            const int row = m0 + threadIdx.x;
-            const i64 at = pr0.lse_offset + head * f.lse_head_stride + row;
-            const bool valid = row < pr0.seqlen_q;
-            cp_async_4(lse_smem + stage * kRowStageBytes + threadIdx.x * 4, valid ? p.lse_log2 + at : p.lse_log2, valid);
-            cp_async_4(dsum_smem + stage * kRowStageBytes + threadIdx.x * 4, valid ? p.dsum + at : p.dsum, valid);
-        }
-    };
+    load_keys_values(f, pr0, k_smem, v_smem, n0);
+    const QueryRing ring(p, pr0, b, h_first, q_smem, do_smem, lse_smem, dsum_smem);
+    auto load_step = [&](int step, int stage) { ring.issue(p, pr0, step / m_tiles, m_tile_of(step) * kBlockM, stage); };
     constexpr int kPrologue = kStages > 1 ? kStages - 1 : 1;  // one buffer: load the first step, refill later
 #pragma unroll
     for (int s = 0; s < kPrologue; ++s) {

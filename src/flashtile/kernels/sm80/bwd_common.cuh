@@ -88,6 +88,46 @@ __device__ __forceinline__ QueryTiles visited_query_tiles(const AttnParams& f, c
     return {m_lo, m_hi};
 }
 
+// A block's K and V tiles (keys [n0, n0 + kBlockN) of the problem), one cp.async each.
+__device__ __forceinline__ void load_keys_values(const AttnParams& f, const Problem& pr0, u32 k_smem, u32 v_smem, int n0) {
+    TileLoader<kBlockN, kHeadDim, kThreads>(static_cast<const elem_t*>(f.k) + pr0.k_offset, f.k_row_stride,
+                                            f.head_dim).issue(k_smem, n0, pr0.seqlen_k);
+    TileLoader<kBlockN, kHeadDimV, kThreads>(static_cast<const elem_t*>(f.v) + pr0.v_offset, f.v_row_stride,
+                                             f.head_dim_v).issue(v_smem, n0, pr0.seqlen_k);
+}
+
+// The query ring: each step (one query head of the group, one query tile) brings Q, dO and the rows' LSE (base 2)
+// and D into one of kStages buffers with cp.async.
+struct QueryRing {
+    static constexpr u32 kQStageBytes = QTile::kElems * kElemBytes, kDoStageBytes = DoTile::kElems * kElemBytes;
+    static constexpr u32 kRowStageBytes = kBlockM * sizeof(float);
+    TileLoader<kBlockM, kHeadDim, kThreads> q_loader;
+    TileLoader<kBlockM, kHeadDimV, kThreads> do_loader;
+    u32 q_smem, do_smem, lse_smem, dsum_smem;
+
+    __device__ __forceinline__ QueryRing(const BwdParams& p, const Problem& pr0, int b, int h_first, u32 q, u32 dout,
+                                         u32 lse, u32 dsum)
+        : q_loader(static_cast<const elem_t*>(p.fwd.q) + pr0.q_offset, p.fwd.q_row_stride, p.fwd.head_dim),
+          do_loader(static_cast<const elem_t*>(p.dout) + row_offset(p.do_batch_stride, p.do_row_stride,
+                                                                    p.do_head_stride, b, pr0.q_start, h_first),
+                    p.do_row_stride, p.fwd.head_dim_v),
+          q_smem(q), do_smem(dout), lse_smem(lse), dsum_smem(dsum) {}
+
+    // Query tile m0 / kBlockM of the group's query head `head` into buffer `stage`.
+    __device__ __forceinline__ void issue(const BwdParams& p, const Problem& pr0, int head, int m0, int stage) const {
+        const AttnParams& f = p.fwd;
+        q_loader.issue(q_smem + stage * kQStageBytes, m0, pr0.seqlen_q, head * f.q_head_stride);
+        do_loader.issue(do_smem + stage * kDoStageBytes, m0, pr0.seqlen_q, head * p.do_head_stride);
+        if (threadIdx.x < kBlockM) {
+            const int row = m0 + threadIdx.x;
+            const i64 at = pr0.lse_offset + head * f.lse_head_stride + row;
+            const bool valid = row < pr0.seqlen_q;
+            cp_async_4(lse_smem + stage * kRowStageBytes + threadIdx.x * 4, valid ? p.lse_log2 + at : p.lse_log2, valid);
+            cp_async_4(dsum_smem + stage * kRowStageBytes + threadIdx.x * 4, valid ? p.dsum + at : p.dsum, valid);
+        }
+    }
+};
+
 // ---------------------------------------------------------------------------------------------------
 // Preprocess, one warp per query row: D = rowsum(dO o O), the LSE in base 2, dq_accum zeroed.
 // ---------------------------------------------------------------------------------------------------
