@@ -267,14 +267,7 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
             for (int half = 0; half < 2; ++half)
                 *reinterpret_cast<u32*>(smem.ds + DsTile::offset(warp_row0 + g + 8 * half, j * kMmaN + 2 * t)) =
                     pack2<elem_t>(ds[j][2 * half], ds[j][2 * half + 1]);
-        int* turn = nullptr;
-        int my_turn = 0;
-        if (p.dq_semaphore != nullptr) {  // deterministic: wait until the key tiles before this one have added
-            turn = p.dq_semaphore + ((i64)b * f.heads_q + head) * p.m_blocks + m_tile;
-            my_turn = n_block - mask.key_begin(m0) / kBlockN;
-            if (threadIdx.x == 0)
-                while (load_acquire(turn) != my_turn) {}
-        }
+        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block);  // deterministic mode: wait for this dQ tile
         __syncthreads();
         float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
         for (int piece = warp; piece < kDqPieces; piece += kWarps) {
@@ -310,35 +303,14 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
                                  acc[sl][j][2 * half + 1]);
                 }
         }
-        if (turn != nullptr) {
-            // The barrier orders every thread's reductions before thread 0's release, and a release is
-            // cumulative: one fence-free store hands the turn on (a fence per thread would stall each of
-            // them until its reductions had landed: 1.48x the default time instead of 1.39x).
-            __syncthreads();
-            if (threadIdx.x == 0) store_release(turn, my_turn + 1);
-        }
+        turn.pass();
     };
 
-    // Main loop over (query head, query tile) steps: wait for this step's tiles, refill the buffer the
-    // previous step used, compute.
-    constexpr int kInFlight = kStages > 1 ? kStages - 2 : 0;
-    for (int step = 0; step < steps; ++step) {
-        cp_async_wait<kInFlight>();
-        __syncthreads();  // this step's tiles are visible; every warp is done with the previous step's buffers
-        if constexpr (kStages > 1) {
-            if (step + kStages - 1 < steps) load_step(step + kStages - 1, (step + kStages - 1) % kStages);
-            cp_async_commit();
-        }
-        const int stage = step % kStages, m0 = m_tile_of(step) * kBlockM;
+    // Main loop over (query head, query tile) steps; afterwards K and V's tiles are free to stage dK and dV.
+    for_each_step(steps, load_step, [&](int step, int stage) {
+        const int m0 = m_tile_of(step) * kBlockM;
         step_body(step, stage, !mask.tile_unmasked(m0, min(m0 + kBlockM, pr0.seqlen_q), n0, n0 + kBlockN));
-        if constexpr (kStages == 1) {
-            __syncthreads();
-            if (step + 1 < steps) load_step(step + 1, 0);
-            cp_async_commit();
-        }
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // every warp is done with K and V: their tiles now stage dK and dV
+    });
 
     if constexpr (kWantDkDq)
         store_slab<KTile>(smem.k, dk, f.softmax_scale,

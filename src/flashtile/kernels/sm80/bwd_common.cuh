@@ -128,6 +128,55 @@ struct QueryRing {
     }
 };
 
+// The main loop over (query head, query tile) steps: wait for this step's tiles, refill the buffer the previous
+// step used, run the step; at the end every cp.async has landed and every warp is past its last step.
+template <typename LoadStep, typename Step>
+__device__ __forceinline__ void for_each_step(int steps, const LoadStep& load_step, const Step& run_step) {
+    constexpr int kInFlight = kStages > 1 ? kStages - 2 : 0;
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<kInFlight>();
+        __syncthreads();  // this step's tiles are visible; every warp is done with the previous step's buffers
+        if constexpr (kStages > 1) {
+            if (step + kStages - 1 < steps) load_step(step + kStages - 1, (step + kStages - 1) % kStages);
+            cp_async_commit();
+        }
+        run_step(step, step % kStages);
+        if constexpr (kStages == 1) {
+            __syncthreads();
+            if (step + 1 < steps) load_step(step + 1, 0);
+            cp_async_commit();
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
+// Deterministic mode: the blocks that add into one dQ tile take turns in key order. The constructor holds thread 0
+// until the key tiles before this one have added (the caller's next barrier holds the rest); `pass` hands on.
+struct DqTurn {
+    int* turn = nullptr;
+    int mine = 0;
+
+    __device__ __forceinline__ DqTurn(const BwdParams& p, const Mask& mask, int b, int head, int m_tile, int m0,
+                                      int n_block) {
+        if (p.dq_semaphore != nullptr) {
+            turn = p.dq_semaphore + ((i64)b * p.fwd.heads_q + head) * p.m_blocks + m_tile;
+            mine = n_block - mask.key_begin(m0) / kBlockN;
+            if (threadIdx.x == 0)
+                while (load_acquire(turn) != mine) {}
+        }
+    }
+    __device__ __forceinline__ void pass() const {
+        if (turn != nullptr) {
+            // The barrier orders every thread's reductions before thread 0's release, and a release is
+            // cumulative: one fence-free store hands the turn on (a fence per thread would stall each of
+            // them until its reductions had landed: 1.48x the default time instead of 1.39x).
+            __syncthreads();
+            if (threadIdx.x == 0) store_release(turn, mine + 1);
+        }
+    }
+};
+
 // ---------------------------------------------------------------------------------------------------
 // Preprocess, one warp per query row: D = rowsum(dO o O), the LSE in base 2, dq_accum zeroed.
 // ---------------------------------------------------------------------------------------------------

@@ -268,14 +268,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
         }
 
         // Deterministic mode: wait until the key tiles before this one have added into this dQ tile.
-        int* turn = nullptr;
-        int my_turn = 0;
-        if (p.dq_semaphore != nullptr) {
-            turn = p.dq_semaphore + ((i64)b * f.heads_q + head) * p.m_blocks + m_tile;
-            my_turn = n_block - mask.key_begin(m0) / kBlockN;
-            if (threadIdx.x == 0)
-                while (load_acquire(turn) != my_turn) {}
-        }
+        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block);
         __syncthreads();  // P^T and dS^T are complete
 
         // Phase 2. dV += P^T dO, dK += dS^T Q (the softmax scale is applied to dK once, at the end).
@@ -347,35 +340,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
                                  acc[sl][j][2 * half + 1]);
                 }
         }
-        if (turn != nullptr) {
-            // The barrier orders every thread's reductions before thread 0's release, and a release is
-            // cumulative: one fence-free store hands the turn on (a fence per thread would stall each of
-            // them until its reductions had landed: 1.48x the default time instead of 1.39x).
-            __syncthreads();
-            if (threadIdx.x == 0) store_release(turn, my_turn + 1);
-        }
+        turn.pass();
     };
 
-    // Main loop over (query head, query tile) steps: wait for this step's tiles, refill the buffer the
-    // previous step used, compute.
-    constexpr int kInFlight = kStages > 1 ? kStages - 2 : 0;
-    for (int step = 0; step < steps; ++step) {
-        cp_async_wait<kInFlight>();
-        __syncthreads();  // this step's tiles are visible; every warp is done with the previous step's buffers
-        if constexpr (kStages > 1) {
-            if (step + kStages - 1 < steps) load_step(step + kStages - 1, (step + kStages - 1) % kStages);
-            cp_async_commit();
-        }
-        const int stage = step % kStages, m0 = m_tile_of(step) * kBlockM;
+    // Main loop over (query head, query tile) steps; afterwards K and V's tiles are free to stage dK and dV.
+    for_each_step(steps, load_step, [&](int step, int stage) {
+        const int m0 = m_tile_of(step) * kBlockM;
         step_body(step, stage, !mask.tile_unmasked(m0, min(m0 + kBlockM, pr0.seqlen_q), n0, n0 + kBlockN));
-        if constexpr (kStages == 1) {
-            __syncthreads();
-            if (step + 1 < steps) load_step(step + 1, 0);
-            cp_async_commit();
-        }
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // every warp is done with K and V: their tiles now stage dK and dV
+    });
 
     stage_tile<KTile>(smem.k, dk, f.softmax_scale, key0_2, col0_k);
     stage_tile<VTile>(smem.v, dv, 1.f, key0_2, col0_v);
