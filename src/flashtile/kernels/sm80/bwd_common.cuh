@@ -1,8 +1,9 @@
 // sm80/bwd_common.cuh — what rung 4's two backward main kernels share (bwd.cu: 16 keys per warp, for head
 // dims up to 128, score modifications and small shared memory; bwd_grid.cu: per-phase warp grids, for d192
-// and d256 on Hopper): the build's constants, the helpers for dQ's fp32 reductions, P's widening and the
-// deterministic turns, and the two row kernels around the main one — preprocess (D = rowsum(dO o O), the LSE in base 2, dq_accum zeroed) and
-// dq_convert (dQ = softmax_scale * dq_accum in the dtype of q).
+// and d256 on Hopper): the build's constants; the frame of a key block — which query tiles it visits, K and V,
+// the query ring and the step loop; dQ's fp32 reductions and deterministic mode's turns; P's widening; and the
+// two row kernels around the main one — preprocess (D = rowsum(dO o O), the LSE in base 2, dq_accum zeroed)
+// and dq_convert (dQ = softmax_scale * dq_accum in the dtype of q).
 #pragma once
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
