@@ -45,6 +45,7 @@ static_assert(kStages >= 1, "K and V need a buffer each");
 // K of tile i+1 while the softmax and P V_i run. Half the shared memory of a two-stage ring, for two blocks per
 // SM where the ring would allow one (d256: 96 KB instead of 160 KB at 64 x 64); two barriers per tile.
 constexpr bool kTakeTurns = kStages == 1;
+constexpr int kRingInFlight = kTakeTurns ? 0 : kStages - 2;  // tiles a ring step leaves in flight while waiting
 
 using QTile = SwizzledTile<kBlockM, kHeadDim>;
 using OTile = SwizzledTile<kBlockM, kHeadDimV>;
@@ -268,7 +269,7 @@ attn_fwd(const __grid_constant__ AttnParams p) {
             if (mask.tile_unmasked(m0, m1, n0, n0 + kBlockN)) attend(k_smem, v_smem, n0, Bool<false>(), next_k);
             else attend(k_smem, v_smem, n0, Bool<true>(), next_k);
         } else {
-            cp_async_wait<(kTakeTurns ? 0 : kStages - 2)>();
+            cp_async_wait<kRingInFlight>();
             __syncthreads();  // tile `it` is visible to all; every warp has finished with tile it-1's buffer
             if (it + kStages - 1 < n_tiles) load_kv(it + kStages - 1, (it + kStages - 1) % kStages);
             cp_async_commit();
