@@ -15,8 +15,8 @@ from flashtile.forward import FwdProblem
 from flashtile.specs import KernelSpec
 
 CANDIDATES = {  # head_dim -> [(block_m, block_n, warps, stages, min_blocks[, wide])]; stages 1: K and V take turns
-    64: [(128, 64, 4, 2, 1), (128, 64, 4, 3, 1), (128, 128, 4, 2, 1), (128, 64, 4, 1, 1)],
-    128: [(128, 32, 4, 2, 1), (128, 64, 4, 2, 1), (128, 64, 4, 1, 1)],
+    64: [(128, 64, 4, 2, 1), (128, 64, 4, 2, 1, 1), (128, 64, 4, 1, 1)],
+    128: [(128, 32, 4, 2, 1), (128, 64, 4, 2, 1), (128, 32, 4, 2, 1, 1)],
     256: [(128, 64, 8, 2, 1), (64, 64, 4, 1, 2), (64, 64, 4, 1, 2, 1), (128, 64, 8, 1, 1)],
 }
 # Taking turns (one K and one V buffer) halves the ring's shared memory: at d256 a 64 x 64 tile then needs 96 KB
