@@ -119,6 +119,7 @@ class Tile:
     stages: int
     min_blocks: int   # __launch_bounds__ minimum blocks per SM: caps registers at 64K / (threads * this)
     why: str
+    wide: bool = False  # 128-byte swizzle blocks (common/tile.cuh): one wavefront per cp.async phase, +6 registers
 
 
 # Shared memory a block may use: sm_80 163 KB, sm_86/sm_89 99 KB, sm_90 227 KB (CUDA guide, table 24).
@@ -140,9 +141,10 @@ FWD_TILES_LARGE_SMEM = {
 FWD_TILES_SM90 = {
     128: Tile(128, 64, 4, 2, 1, "FA2's tile: 370/353 against 353/323 for 128 x 32; 255 regs, no spills on sm_90a"),
     256: Tile(64, 64, 4, 1, 2, "K and V take turns in one buffer each (FA2's d256 schedule): 96 KB, two blocks "
-                               "per SM. Same run, n1k/4k/16k non-causal, causal: 276 227, 300 262, 305 297 "
-                               "against 273 210, 289 257, 304 302 for 128x64 x 8 warps with a 2-stage ring "
-                               "(192 KB, one block); 64x32 the same way: 237-252"),
+                               "per SM; 128-byte swizzle blocks. Same run, n1k/4k/16k non-causal, causal: 298 252, "
+                               "321 288, 323 327 against 274 227, 294 263, 299 288 with 64-byte blocks (whose "
+                               "cp.async phases take two wavefronts); 128x64 x 8 warps, 2-stage ring: 273 210, "
+                               "289 257, 304 302", wide=True),
 }
 FWD_TILES_SMALL_SMEM = {
     64: Tile(128, 64, 4, 2, 1, "48 KB"),
@@ -172,7 +174,7 @@ def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: boo
     smem = (tile.block_m * max(d, dv) + tile.stages * tile.block_n * (d + dv)) * ELEM_BYTES
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", tile.block_m), ("FT_BLOCK_N", tile.block_n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", tile.stages), ("FT_MIN_BLOCKS", tile.min_blocks),
-               ("FT_SOFTCAP", int(softcap)), ("FT_ALIBI", int(alibi)))
+               ("FT_SOFTCAP", int(softcap)), ("FT_ALIBI", int(alibi)), ("FT_WIDE_BLOCKS", int(tile.wide)))
     return KernelSpec("sm80/fwd.cu", ("attn_fwd",), dtype, arch, defines, smem)
 
 

@@ -33,6 +33,7 @@ constexpr int kStages = FT_STAGES;         // K/V buffers in the cp.async ring; 
 constexpr int kMinBlocksPerSM = FT_MIN_BLOCKS;
 constexpr bool kSoftcap = FT_SOFTCAP;
 constexpr bool kAlibi = FT_ALIBI;
+constexpr bool kWide = FT_WIDE_BLOCKS;     // 128-byte swizzle blocks (common/tile.cuh)
 
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kSlabs = kBlockM / (kWarps * kMmaM);  // 16-row slabs per warp
@@ -47,10 +48,10 @@ static_assert(kStages >= 1, "K and V need a buffer each");
 constexpr bool kTakeTurns = kStages == 1;
 constexpr int kRingInFlight = kTakeTurns ? 0 : kStages - 2;  // tiles a ring step leaves in flight while waiting
 
-using QTile = SwizzledTile<kBlockM, kHeadDim>;
-using OTile = SwizzledTile<kBlockM, kHeadDimV>;
-using KTile = SwizzledTile<kBlockN, kHeadDim>;
-using VTile = SwizzledTile<kBlockN, kHeadDimV>;
+using QTile = SwizzledTile<kBlockM, kHeadDim, kWide>;
+using OTile = SwizzledTile<kBlockM, kHeadDimV, kWide>;
+using KTile = SwizzledTile<kBlockN, kHeadDim, kWide>;
+using VTile = SwizzledTile<kBlockN, kHeadDimV, kWide>;
 
 struct SharedStorage {
     elem_t q[QTile::kElems > OTile::kElems ? QTile::kElems : OTile::kElems];  // Q, later the output tile
@@ -92,9 +93,9 @@ attn_fwd(const __grid_constant__ AttnParams p) {
     const u32 k_smem = smem_addr(smem.k[0]), v_smem = smem_addr(smem.v[0]);
     constexpr u32 kKStageBytes = KTile::kElems * kElemBytes, kVStageBytes = VTile::kElems * kElemBytes;
 
-    const TileLoader<kBlockN, kHeadDim, kThreads> k_loader(
+    const TileLoader<kBlockN, kHeadDim, kThreads, kWide> k_loader(
         static_cast<const elem_t*>(p.k) + pr.k_offset, p.k_row_stride, p.head_dim);
-    const TileLoader<kBlockN, kHeadDimV, kThreads> v_loader(
+    const TileLoader<kBlockN, kHeadDimV, kThreads, kWide> v_loader(
         static_cast<const elem_t*>(p.v) + pr.v_offset, p.v_row_stride, p.head_dim_v);
     auto load_kv = [&](int tile, int stage) {
         const int n0 = n_begin + tile * kBlockN;
@@ -104,7 +105,7 @@ attn_fwd(const __grid_constant__ AttnParams p) {
 
     // Prologue: Q, then the first STAGES-1 K/V tiles, one commit group each (empty groups keep the count);
     // taking turns, Q and the first K.
-    TileLoader<kBlockM, kHeadDim, kThreads>(static_cast<const elem_t*>(p.q) + pr.q_offset, p.q_row_stride,
+    TileLoader<kBlockM, kHeadDim, kThreads, kWide>(static_cast<const elem_t*>(p.q) + pr.q_offset, p.q_row_stride,
                                             p.head_dim).issue(q_smem, m0, pr.seqlen_q);
     cp_async_commit();
     if constexpr (kTakeTurns) {
