@@ -2,13 +2,15 @@
 deterministic mode's time over the default's for each tile.
 
 Usage (on the GPU machine): python scripts/tune_bwd.py [d ...] — a lab bench for choosing rows of
-specs.BWD_TILES_* (the 16-keys-per-warp kernel, bwd.cu) and specs.BWD_GRID_TILES (the warp-grid kernel,
-bwd_grid.cu); the reasons in those tables come from runs of this script.
+specs.BWD_TILES_* (the 16-keys-per-warp kernel, sm80/bwd.cu), specs.BWD_GRID_TILES (the warp-grid kernel,
+sm80/bwd_grid.cu) and specs.BWD_WGMMA_TILES (the Hopper kernel, sm90/bwd.cu); the reasons in those tables come
+from runs of this script. Every candidate's largest gradient difference from sdpa-flash rides along.
 """
 
 import sys
 
 import torch
+import torch.nn.functional as F
 
 import flashtile
 from flashtile import backward, jit, specs
@@ -26,13 +28,23 @@ GRID_CANDIDATES = {  # head_dim -> [(block_m, block_n, warps, stages, keys_sdp, 
     192: [(64, 64, 8, 2, 4, 2, 4)],
     256: [(64, 64, 8, 2, 4, 2, 2)],
 }
-ORIGINAL_GRID_TILE, ORIGINAL_TILE = specs.bwd_grid_tile, specs.bwd_tile
+WGMMA_CANDIDATES = {  # head_dim -> [(block_m, block_n, stages)] for sm90/bwd.cu
+    64: [(128, 128, 2)],
+    128: [(64, 128, 2)],
+    192: [],
+    256: [],
+}
+ORIGINAL = specs.bwd_grid_tile, specs.bwd_tile, specs.bwd_wgmma_tile
 
 
-def _use(tile=None, grid_tile=None):
-    """Make bwd_spec pick exactly this tile of one kernel."""
-    specs.bwd_grid_tile = lambda head_dim, arch, score_mods=False: grid_tile
-    specs.bwd_tile = (lambda head_dim, arch, score_mods=False: tile) if tile else ORIGINAL_TILE
+def _use(tile=None, grid_tile=None, wgmma_tile=None):
+    """Make bwd_spec pick exactly this tile of one kernel (no arguments: the library's own choice)."""
+    if not (tile or grid_tile or wgmma_tile):
+        specs.bwd_grid_tile, specs.bwd_tile, specs.bwd_wgmma_tile = ORIGINAL
+    else:
+        specs.bwd_grid_tile = lambda head_dim, arch, score_mods=False: grid_tile
+        specs.bwd_tile = (lambda head_dim, arch, score_mods=False: tile) if tile else ORIGINAL[1]
+        specs.bwd_wgmma_tile = lambda d, dv, arch, score_mods=False: wgmma_tile
     backward._modules.clear()
 
 
@@ -46,14 +58,21 @@ def main(dims):
             run = peers.sdpa_backward_runner("sdpa-flash", *leaves, causal)
             row = [f"d{d} n{seqlen} c{int(causal)} sdpa-flash={flops / measure.time_cuda(run, reps=10) / 1e9:.0f}"]
             del run
-            cases = [("bwd", c, specs.BwdTile(*c[:3], d > 128, "candidate"), None) for c in CANDIDATES[d]]
-            cases += [("grid", c, None, specs.BwdGridTile(*c, "candidate")) for c in GRID_CANDIDATES[d]]
-            for kernel, cand, tile, grid_tile in cases:
-                _use(tile, grid_tile)
+            dout = torch.randn_like(leaves[0])
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                expected = torch.autograd.grad(F.scaled_dot_product_attention(
+                    *(x.transpose(1, 2) for x in leaves), is_causal=causal).transpose(1, 2), leaves, dout)
+            cases = [("bwd", c, specs.BwdTile(*c[:3], d > 128, "candidate"), None, None) for c in CANDIDATES[d]]
+            cases += [("grid", c, None, specs.BwdGridTile(*c, "candidate"), None) for c in GRID_CANDIDATES[d]]
+            cases += [("wgmma", c, None, None, specs.BwdWgmmaTile(*c, "candidate")) for c in WGMMA_CANDIDATES[d]]
+            for kernel, cand, tile, grid_tile, wgmma_tile in cases:
+                _use(tile, grid_tile, wgmma_tile)
                 spec = specs.bwd_spec("bf16", d, d, "sm_90a")
                 if spec.smem_bytes > specs.SMEM_LIMIT["sm_90a"]:
                     continue
                 res = jit.compile_spec(spec).resources[spec.entries[1]]
+                grads = torch.autograd.grad(flashtile.attention(*leaves, causal=causal), leaves, dout)
+                error = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, expected))
                 times = {}
                 for deterministic in (False, True):
                     run = peers.backward_runner(
@@ -61,10 +80,9 @@ def main(dims):
                     times[deterministic] = measure.time_cuda(run, reps=10)
                     del run
                 row.append(f"{kernel}{cand}[{res.registers}r{'/spill' if res.spill_stores else ''}]="
-                           f"{flops / times[False] / 1e9:.0f} det {times[True] / times[False]:.2f}x")
+                           f"{flops / times[False] / 1e9:.0f} det {times[True] / times[False]:.2f}x err={error:.0e}")
             print("  ".join(row), flush=True)
     _use()
-    specs.bwd_grid_tile = ORIGINAL_GRID_TILE
 
 
 if __name__ == "__main__":

@@ -290,9 +290,52 @@ def bwd_grid_spec(dtype: str, d: int, dv: int, arch: str, tile: BwdGridTile) -> 
                       defines, smem)
 
 
+# The Hopper backward (kernels/sm90/bwd.cu): every product on wgmma, two warpgroups of 64 keys per block, for
+# head dims 64 and 128 (q/k and v alike) without score modifications on sm_90a. Tiles in 128-byte swizzle blocks,
+# the layout wgmma's descriptors read; the block's shared storage is aligned to the swizzle's 1024-byte period.
+
+
+@dataclass(frozen=True)
+class BwdWgmmaTile:
+    block_m: int
+    block_n: int
+    stages: int
+    why: str
+    warps: int = 8  # two warpgroups
+
+
+SWIZZLE_ATOM_BYTES = 1024
+BWD_WGMMA_TILES = {
+    64: BwdWgmmaTile(128, 128, 2, "dQ split by rows (64 queries per warpgroup); 82 KB"),
+    128: BwdWgmmaTile(64, 128, 2, "dQ split by columns (64 per warpgroup); S^T, dP^T 32 and dK, dV 64 registers "
+                                  "each; 145 KB"),
+}
+
+
+def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False) -> BwdWgmmaTile | None:
+    """The Hopper kernel's tile, or None where rung 4's kernels serve."""
+    if arch != "sm_90a" or score_mods or d != dv:
+        return None
+    return BWD_WGMMA_TILES.get(d)
+
+
+def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
+    m, n, stages = tile.block_m, tile.block_n, tile.stages
+    storage = (2 * n * d + 2 * stages * m * d + n * m) * ELEM_BYTES + 2 * stages * m * 4
+    smem = -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
+    defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", d), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
+               ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0),
+               ("FT_WIDE_BLOCKS", 1))
+    return KernelSpec("sm90/bwd.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, "sm_90a",
+                      defines, smem)
+
+
 def bwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,
              alibi: bool = False) -> KernelSpec:
     d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
+    wgmma_tile = bwd_wgmma_tile(d, dv, arch, softcap or alibi)
+    if wgmma_tile is not None:
+        return bwd_wgmma_spec(dtype, d, wgmma_tile)
     grid_tile = bwd_grid_tile(max(d, dv), arch, softcap or alibi)
     if grid_tile is not None:
         return bwd_grid_spec(dtype, d, dv, arch, grid_tile)

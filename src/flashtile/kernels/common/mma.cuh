@@ -57,6 +57,9 @@ __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid)
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// Hopper (sm_90): shared memory written through the generic proxy (st.shared, cp.async) and read next through
+// the async proxy (wgmma, the bulk copy engine) needs this fence in each writing thread before the barrier.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(kPending)); }
 

@@ -33,6 +33,7 @@ struct SwizzledTile {
     static constexpr int kBlockCols = kWide ? 64 : 32;             // elements per column block
     static constexpr int kChunks = kBlockCols / kChunkElems;       // 16-byte chunks per block row
     static constexpr int kElems = kRows * kCols;
+    static constexpr int kBlockElems = kRows * kBlockCols;         // one column block
     using Lane = typename Select<kWide, WideLaneOffsets, LaneOffsets>::type;
 
     __device__ static __forceinline__ int swizzle(int row) { return kWide ? (row & 7) : ((row >> 1) & 3); }

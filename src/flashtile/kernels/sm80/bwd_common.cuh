@@ -1,9 +1,10 @@
-// sm80/bwd_common.cuh — what rung 4's two backward main kernels share (bwd.cu: 16 keys per warp, for head
-// dims up to 128, score modifications and small shared memory; bwd_grid.cu: per-phase warp grids, for d192
-// and d256 on Hopper): the build's constants; the frame of a key block — which query tiles it visits, K and V,
-// the query ring and the step loop; dQ's fp32 reductions and deterministic mode's turns; P's widening; and the
-// two row kernels around the main one — preprocess (D = rowsum(dO o O), the LSE in base 2, dq_accum zeroed)
-// and dq_convert (dQ = softmax_scale * dq_accum in the dtype of q).
+// sm80/bwd_common.cuh — what the backward main kernels share (bwd.cu: 16 keys per warp, for head dims up to
+// 128, score modifications and small shared memory; bwd_grid.cu: per-phase warp grids, for d192 and d256 on
+// Hopper; sm90/bwd.cu: wgmma, for d64 and d128 on Hopper): the build's constants; the frame of a key block —
+// which query tiles it visits, K and V, the query ring and the step loop, the dK/dV epilogue; dQ's fp32
+// reductions and deterministic mode's turns; P's widening; and the two row kernels around the main one —
+// preprocess (D = rowsum(dO o O), the LSE in base 2, dq_accum zeroed) and dq_convert (dQ = softmax_scale *
+// dq_accum in the dtype of q).
 #pragma once
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
@@ -17,14 +18,18 @@ constexpr int kWarps = FT_WARPS;
 constexpr int kStages = FT_STAGES;         // query tiles in the cp.async ring
 constexpr bool kSoftcap = FT_SOFTCAP;
 constexpr bool kAlibi = FT_ALIBI;
+#ifndef FT_WIDE_BLOCKS
+#define FT_WIDE_BLOCKS 0
+#endif
+constexpr bool kWideBlocks = FT_WIDE_BLOCKS;  // 128-byte swizzle blocks (tile.cuh), the layout wgmma reads
 constexpr int kThreads = kWarps * kWarpSize;
 static_assert(kStages >= 1, "the ring needs a stage");
 static_assert(kThreads >= kBlockM, "one thread per query row loads the per-row values");
 
-using KTile = SwizzledTile<kBlockN, kHeadDim>;
-using VTile = SwizzledTile<kBlockN, kHeadDimV>;
-using QTile = SwizzledTile<kBlockM, kHeadDim>;
-using DoTile = SwizzledTile<kBlockM, kHeadDimV>;
+using KTile = SwizzledTile<kBlockN, kHeadDim, kWideBlocks>;
+using VTile = SwizzledTile<kBlockN, kHeadDimV, kWideBlocks>;
+using QTile = SwizzledTile<kBlockM, kHeadDim, kWideBlocks>;
+using DoTile = SwizzledTile<kBlockM, kHeadDimV, kWideBlocks>;
 
 constexpr u32 kElemBytes = sizeof(elem_t);
 constexpr int kPreprocessRows = 16;            // rows per block of the two row kernels
@@ -91,10 +96,10 @@ __device__ __forceinline__ QueryTiles visited_query_tiles(const AttnParams& f, c
 
 // A block's K and V tiles (keys [n0, n0 + kBlockN) of the problem), one cp.async each.
 __device__ __forceinline__ void load_keys_values(const AttnParams& f, const Problem& pr0, u32 k_smem, u32 v_smem, int n0) {
-    TileLoader<kBlockN, kHeadDim, kThreads>(static_cast<const elem_t*>(f.k) + pr0.k_offset, f.k_row_stride,
-                                            f.head_dim).issue(k_smem, n0, pr0.seqlen_k);
-    TileLoader<kBlockN, kHeadDimV, kThreads>(static_cast<const elem_t*>(f.v) + pr0.v_offset, f.v_row_stride,
-                                             f.head_dim_v).issue(v_smem, n0, pr0.seqlen_k);
+    TileLoader<kBlockN, kHeadDim, kThreads, kWideBlocks>(static_cast<const elem_t*>(f.k) + pr0.k_offset,
+                                                         f.k_row_stride, f.head_dim).issue(k_smem, n0, pr0.seqlen_k);
+    TileLoader<kBlockN, kHeadDimV, kThreads, kWideBlocks>(static_cast<const elem_t*>(f.v) + pr0.v_offset,
+                                                          f.v_row_stride, f.head_dim_v).issue(v_smem, n0, pr0.seqlen_k);
 }
 
 // The query ring: each step (one query head of the group, one query tile) brings Q, dO and the rows' LSE (base 2)
@@ -102,8 +107,8 @@ __device__ __forceinline__ void load_keys_values(const AttnParams& f, const Prob
 struct QueryRing {
     static constexpr u32 kQStageBytes = QTile::kElems * kElemBytes, kDoStageBytes = DoTile::kElems * kElemBytes;
     static constexpr u32 kRowStageBytes = kBlockM * sizeof(float);
-    TileLoader<kBlockM, kHeadDim, kThreads> q_loader;
-    TileLoader<kBlockM, kHeadDimV, kThreads> do_loader;
+    TileLoader<kBlockM, kHeadDim, kThreads, kWideBlocks> q_loader;
+    TileLoader<kBlockM, kHeadDimV, kThreads, kWideBlocks> do_loader;
     u32 q_smem, do_smem, lse_smem, dsum_smem;
 
     __device__ __forceinline__ QueryRing(const BwdParams& p, const Problem& pr0, int b, int h_first, u32 q, u32 dout,
@@ -131,11 +136,14 @@ struct QueryRing {
 
 // The main loop over (query head, query tile) steps: wait for this step's tiles, refill the buffer the previous
 // step used, run the step; at the end every cp.async has landed and every warp is past its last step.
-template <typename LoadStep, typename Step>
+// kAsyncProxyReads: the step's products read shared memory through the async proxy (wgmma), so each thread
+// fences its cp.async writes before the barrier that publishes them.
+template <bool kAsyncProxyReads = false, typename LoadStep, typename Step>
 __device__ __forceinline__ void for_each_step(int steps, const LoadStep& load_step, const Step& run_step) {
     constexpr int kInFlight = kStages > 1 ? kStages - 2 : 0;
     for (int step = 0; step < steps; ++step) {
         cp_async_wait<kInFlight>();
+        if constexpr (kAsyncProxyReads) fence_proxy_async();
         __syncthreads();  // this step's tiles are visible; every warp is done with the previous step's buffers
         if constexpr (kStages > 1) {
             if (step + kStages - 1 < steps) load_step(step + kStages - 1, (step + kStages - 1) % kStages);
@@ -150,6 +158,30 @@ __device__ __forceinline__ void for_each_step(int steps, const LoadStep& load_st
     }
     cp_async_wait<0>();
     __syncthreads();
+}
+
+// Epilogue of a block: the warp's 16 rows of dK or dV (times `scale`) go over its own rows of the K or V
+// tile in shared memory, then to global memory 16 bytes at a time.
+template <typename Tile, int kTiles>
+__device__ __forceinline__ void store_slab(elem_t* tile_smem, const float (&acc)[kTiles][4], float scale,
+                                           elem_t* dst, i64 row_stride, int dim, int n0, int seqlen_k) {
+    const int warp_row0 = (threadIdx.x / kWarpSize) * kMmaM, lane = threadIdx.x % kWarpSize;
+    const int g = lane / kQuad, t = lane % kQuad;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j)
+            *reinterpret_cast<u32*>(tile_smem + Tile::offset(warp_row0 + g + 8 * half, j * kMmaN + 2 * t)) =
+                pack2<elem_t>(acc[j][2 * half] * scale, acc[j][2 * half + 1] * scale);
+    __syncwarp();
+    constexpr int kVecsPerRow = kTiles * kMmaN / kElemsPerVector;
+    for (int idx = lane; idx < kMmaM * kVecsPerRow; idx += kWarpSize) {
+        const int local_row = warp_row0 + idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
+        const int row = n0 + local_row;
+        if (row < seqlen_k && col < dim)
+            *reinterpret_cast<uint4*>(dst + (i64)row * row_stride + col) =
+                *reinterpret_cast<const uint4*>(tile_smem + Tile::offset(local_row, col));
+    }
 }
 
 // Deterministic mode: the blocks that add into one dQ tile take turns in key order. The constructor holds thread 0

@@ -1,0 +1,255 @@
+// sm90/bwd.cu — the backward pass on Hopper's warpgroup products (wgmma, sm_90a), head dims 64 and 128.
+//
+// Idea:     rung 4's backward (sm80/bwd.cu: the same frame, the same math, transposed so that rows are keys),
+//           with every product on wgmma. A block owns kBlockN keys, two warpgroups of 64 keys each; per query
+//           tile a warpgroup computes
+//               S^T  = K Q^T,   dP^T = V dO^T          (SS: K/V and Q/dO both K-major in shared memory)
+//               P^T  = exp2(S^T * scale * log2e - LSE * log2e),   dS^T = P^T o (dP^T - D)
+//               dV  += P^T dO,  dK  += dS^T Q          (RS: P^T and dS^T straight from the accumulators)
+//               dQ   = dS K                           (SS, both MN-major: dS^T through shared memory)
+//           and adds dQ into the fp32 accumulator. The products read Q, dO, K and V from shared memory
+//           themselves, once per warpgroup: rung 4 reads each fragment into every warp with ldmatrix, which
+//           made shared-memory bandwidth its bound (docs/notes.md). The softmax of S^T runs while dP^T is still
+//           in flight (two commit groups).
+//           dQ is split between the warpgroups by columns (d128: 64 queries x 64 columns each) or by rows
+//           (d64: 128-query steps, 64 rows each), so every operand starts on a 128-byte column block.
+// Beside:   sm80/bwd.cu serves every other head dim, score modifications and GPUs before Hopper; this kernel
+//           shares its frame through sm80/bwd_common.cuh (query ring, step loop, deterministic turns, the
+//           preprocess and dQ-conversion kernels).
+// Measured: see docs/performance.md (backward rows).
+// Wastes:   no warp specialisation and no TMA: all threads issue the cp.async ring, and the two warpgroups
+//           meet at a barrier every step (dS^T is shared), so one's softmax does not overlap the other's
+//           products; dQ leaves through fp32 atomics.
+#include "../sm80/bwd_common.cuh"
+#include "wgmma.cuh"
+
+constexpr int kWarpgroups = kWarps / kWarpgroupWarps;
+static_assert(kBlockN == kWarpgroups * kWgmmaM, "each warpgroup owns 64 keys");
+static_assert(kHeadDim == kHeadDimV && (kHeadDim == 64 || kHeadDim == 128), "the products exist for N = 64, 128");
+static_assert(kBlockM == 64 || kBlockM == 128, "the products exist for N = 64, 128");
+static_assert(kWideBlocks, "wgmma reads the 128-byte swizzled layout");
+static_assert(!kSoftcap && !kAlibi, "score modifications run in sm80/bwd.cu");
+
+// dQ (kBlockM x kHeadDim) per warpgroup: 64 rows x all columns when the step has a row block per warpgroup,
+// otherwise all 64 rows x its share of the columns.
+constexpr bool kDqByRows = kBlockM == kWarpgroups * kWgmmaM;
+constexpr int kDqCols = kDqByRows ? kHeadDim : kHeadDim / kWarpgroups;
+static_assert(kDqByRows || (kBlockM == kWgmmaM && kDqCols == kSwizzleRowElems), "dQ pieces of whole column blocks");
+using DsTile = SwizzledTile<kBlockN, kBlockM, true>;  // dS^T: keys x queries
+template <typename Tile>
+constexpr u32 kColumnBlockBytes = Tile::kBlockElems * kElemBytes;  // a descriptor's step from block to block
+
+constexpr int kScoreAccumulators = kBlockM / 2;  // S^T, dP^T: 64 keys x kBlockM queries
+constexpr int kGradAccumulators = kHeadDim / 2;  // dK, dV: 64 keys x kHeadDim
+constexpr int kDqAccumulators = kDqCols / 2;
+
+struct __align__(kSwizzleAtomBytes) SharedStorage {
+    elem_t k[KTile::kElems];     // later the dK tile
+    elem_t v[VTile::kElems];     // later the dV tile
+    elem_t q[kStages][QTile::kElems];
+    elem_t dout[kStages][DoTile::kElems];
+    elem_t ds[DsTile::kElems];
+    float lse_log2[kStages][kBlockM];
+    float dsum[kStages][kBlockM];
+};
+
+// acc (this warpgroup's 64 keys x kBlockM queries) = A B^T over the head dim: A = 64 rows of K or V, B = the
+// query tile's Q or dO, both K-major; a k16 step is 32 bytes along the rows, every fourth one a column block on.
+template <typename ATile, typename BTile>
+__device__ __forceinline__ void keys_by_queries(float (&acc)[kScoreAccumulators], u32 a_rows, u32 b_rows) {
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / kWgmmaK; ++kk) {
+        const int block = kk * kWgmmaK / kSwizzleRowElems;
+        const u32 within = (kk * kWgmmaK % kSwizzleRowElems) * kElemBytes;
+        wgmma_ss<0, 0>(acc, k_major(a_rows + block * kColumnBlockBytes<ATile> + within),
+                       k_major(b_rows + block * kColumnBlockBytes<BTile> + within), kk > 0);
+    }
+}
+
+// acc (64 keys x kHeadDim) += A B: A = P^T or dS^T from the registers (16-bit pairs, 16 queries per k step),
+// B = the query tile's dO or Q, MN-major: a k16 step is 16 rows further.
+template <typename BTile>
+__device__ __forceinline__ void add_keys_by_dim(float (&acc)[kGradAccumulators],
+                                                const u32 (&a)[kBlockM / kWgmmaK][4], u32 b_tile) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / kWgmmaK; ++kk)
+        wgmma_rs<1>(acc, a[kk], mn_major(b_tile + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<BTile>), 1);
+}
+
+// This thread's accumulators as 16-bit A fragments, one per k16 step (n8 tiles 2kk and 2kk + 1).
+__device__ __forceinline__ void to_fragments(u32 (&a)[kBlockM / kWgmmaK][4],
+                                             const float (&acc)[kScoreAccumulators]) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / kWgmmaK; ++kk)
+        accumulators_to_a(a[kk], n8_tile(acc, 2 * kk), n8_tile(acc, 2 * kk + 1));
+}
+
+// Epilogue: a warpgroup's dK or dV accumulators in rung 4's per-warp slab layout for store_slab.
+__device__ __forceinline__ const float (&as_slab(const float (&acc)[kGradAccumulators]))[kHeadDim / kMmaN][4] {
+    return *reinterpret_cast<const float(*)[kHeadDim / kMmaN][4]>(&acc[0]);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_constant__ BwdParams p) {
+    extern __shared__ __align__(kSwizzleAtomBytes) unsigned char smem_raw[];
+    SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+    if (dynamic_smem_bytes() < sizeof(SharedStorage)) __trap();
+    if (smem_addr(smem_raw) % kSwizzleAtomBytes != 0) __trap();  // the swizzle pattern is anchored to 1024 bytes
+    const AttnParams& f = p.fwd;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int g = lane / kQuad, t = lane % kQuad;
+    // The warpgroup index must look uniform to the compiler (a product on a path it thinks divergent is
+    // serialized, ptxas info C7520): broadcast from lane 0.
+    const int group = __shfl_sync(kFullWarpMask, warp / kWarpgroupWarps, 0);
+
+    const int n_block = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z;
+    const int h_first = h_kv * f.group;
+    const Problem pr0 = locate_problem(f, b, h_first);
+    const int n0 = n_block * kBlockN;
+    if (n0 >= pr0.seqlen_k) return;
+    const int n1 = min(n0 + kBlockN, pr0.seqlen_k);
+    const Mask mask(f.window_left, f.window_right, pr0.seqlen_q, pr0.seqlen_k);
+
+    const QueryTiles visited = visited_query_tiles(f, mask, pr0.seqlen_q, n0, n1);
+    const int m_hi = visited.hi, m_tiles = visited.hi - visited.lo;
+    const int steps = m_tiles * f.group;  // (query head of the group, query tile) pairs, head-major
+    auto m_tile_of = [&](int step) { return m_hi - 1 - step % m_tiles; };  // last to first, as sm80/bwd.cu
+
+    const u32 k_smem = smem_addr(smem.k), v_smem = smem_addr(smem.v), ds_smem = smem_addr(smem.ds);
+    const u32 q_smem = smem_addr(smem.q[0]), do_smem = smem_addr(smem.dout[0]);
+    const u32 lse_smem = smem_addr(smem.lse_log2[0]), dsum_smem = smem_addr(smem.dsum[0]);
+    constexpr u32 kQStageBytes = QueryRing::kQStageBytes, kDoStageBytes = QueryRing::kDoStageBytes;
+    constexpr u32 kRowStageBytes = QueryRing::kRowStageBytes;
+
+    load_keys_values(f, pr0, k_smem, v_smem, n0);
+    const QueryRing ring(p, pr0, b, h_first, q_smem, do_smem, lse_smem, dsum_smem);
+    auto load_step = [&](int step, int stage) { ring.issue(p, pr0, step / m_tiles, m_tile_of(step) * kBlockM, stage); };
+    static_assert(kStages > 1, "a ring of at least two query buffers");
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (s < steps) load_step(s, s);
+        cp_async_commit();
+    }
+
+    const float log2_factor = f.scale_log2;
+    const int group_key0 = group * kWgmmaM;                                  // this warpgroup's keys in the tile
+    const int row_in_group = (warp % kWarpgroupWarps) * kMmaM + g;            // this lane's rows: +0 and +8
+    const u32 k_rows = k_smem + group_key0 * kSwizzleRowBytes, v_rows = v_smem + group_key0 * kSwizzleRowBytes;
+
+    float dk[kGradAccumulators] = {};
+    float dv[kGradAccumulators] = {};
+
+    auto step_body = [&](int step, int stage, bool masked) {
+        const int head = h_first + step / m_tiles, m_tile = m_tile_of(step), m0 = m_tile * kBlockM;
+        const u32 sq = q_smem + stage * kQStageBytes, sdo = do_smem + stage * kDoStageBytes;
+        const u32 lse_row = lse_smem + stage * kRowStageBytes + 2 * t * sizeof(float);   // this lane's column 0
+        const u32 dsum_row = dsum_smem + stage * kRowStageBytes + 2 * t * sizeof(float);
+
+        // S^T and dP^T, two commit groups: the softmax of S^T runs while dP^T is computed.
+        float s[kScoreAccumulators], dp[kScoreAccumulators];
+        fence_operands(s);
+        fence_operands(dp);
+        wgmma_fence();
+        keys_by_queries<KTile, QTile>(s, k_rows, sq);
+        wgmma_commit();
+        keys_by_queries<VTile, DoTile>(dp, v_rows, sdo);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_operands(s);
+
+        // P^T = exp2(score * log2_factor - lse_log2[query]); masked scores give 0.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int key = n0 + group_key0 + row_in_group + 8 * half, col0 = m0 + 2 * t;
+            const int lo = mask.first_query(key) - col0, hi = mask.end_query(key) - col0;
+#pragma unroll
+            for (int j = 0; j < kBlockM / kMmaN; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = s[4 * j + 2 * half + e];
+                    const int col = j * kMmaN + e;  // + col0
+                    if (masked && (col < lo || col >= hi)) x = kNegInf;
+                    x = fast_exp2(fmaf(x, log2_factor, -ld_shared_in_order(lse_row + col * sizeof(float))));
+                }
+        }
+        u32 p16[kBlockM / kWgmmaK][4];
+        to_fragments(p16, s);
+
+        // dS^T = P^T o (dP^T - D[query]), from the 16-bit P^T that dV uses too.
+        wgmma_wait<0>();
+        fence_operands(dp);
+#pragma unroll
+        for (int j = 0; j < kBlockM / kMmaN; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float prob = unpack_probability<elem_t>(p16[j / 2][2 * (j % 2) + i / 2], i % 2);
+                const float dsum = ld_shared_in_order(dsum_row + (j * kMmaN + (i & 1)) * sizeof(float));
+                dp[4 * j + i] = prob * (dp[4 * j + i] - dsum);
+            }
+        u32 ds16[kBlockM / kWgmmaK][4];
+        to_fragments(ds16, dp);
+
+        // dV += P^T dO and dK += dS^T Q (the softmax scale is applied once, at the end), in flight while dS^T
+        // goes to shared memory for dQ.
+        fence_operands(dv);
+        fence_operands(dk);
+        wgmma_fence();
+        add_keys_by_dim<DoTile>(dv, p16, sdo);
+        add_keys_by_dim<QTile>(dk, ds16, sq);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / kWgmmaK; ++kk)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int key = group_key0 + row_in_group + 8 * (i % 2), query = kk * kWgmmaK + 8 * (i / 2) + 2 * t;
+                *reinterpret_cast<u32*>(smem.ds + DsTile::offset(key, query)) = ds16[kk][i];
+            }
+        fence_proxy_async();
+        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block);  // deterministic mode: wait for this dQ tile
+        __syncthreads();
+
+        // dQ = dS K for this warpgroup's piece: A = dS, i.e. dS^T's rows read MN-major (a k16 step is 16 keys,
+        // 16 rows further); B = K, MN-major the same way.
+        const int dq_row0 = kDqByRows ? group * kWgmmaM : 0, dq_col0 = kDqByRows ? 0 : group * kDqCols;
+        const u32 ds_piece = ds_smem + (dq_row0 / kSwizzleRowElems) * kColumnBlockBytes<DsTile>;
+        const u32 k_piece = k_smem + (dq_col0 / kSwizzleRowElems) * kColumnBlockBytes<KTile>;
+        float dq[kDqAccumulators];
+        fence_operands(dq);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / kWgmmaK; ++kk)
+            wgmma_ss<1, 1>(dq, mn_major(ds_piece + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<DsTile>),
+                           mn_major(k_piece + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<KTile>), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(dq);
+        fence_operands(dv);
+        fence_operands(dk);
+
+        float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = dq_row0 + row_in_group + 8 * half;
+            if (m0 + row >= pr0.seqlen_q) continue;
+#pragma unroll
+            for (int j = 0; j < kDqCols / kMmaN; ++j)
+                red_add2(accum + row * kHeadDim + dq_col0 + j * kMmaN + 2 * t, dq[4 * j + 2 * half],
+                         dq[4 * j + 2 * half + 1]);
+        }
+        turn.pass();
+    };
+
+    // Main loop over (query head, query tile) steps; afterwards K and V's tiles are free to stage dK and dV.
+    for_each_step<true>(steps, load_step, [&](int step, int stage) {
+        const int m0 = m_tile_of(step) * kBlockM;
+        step_body(step, stage, !mask.tile_unmasked(m0, min(m0 + kBlockM, pr0.seqlen_q), n0, n0 + kBlockN));
+    });
+
+    store_slab<KTile>(smem.k, as_slab(dk), f.softmax_scale,
+                      static_cast<elem_t*>(p.dk) + row_offset(p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b,
+                                                              pr0.k_start, h_kv),
+                      p.dk_row_stride, f.head_dim, n0, pr0.seqlen_k);
+    store_slab<VTile>(smem.v, as_slab(dv), 1.f,
+                      static_cast<elem_t*>(p.dv) + row_offset(p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b,
+                                                              pr0.k_start, h_kv),
+                      p.dv_row_stride, f.head_dim_v, n0, pr0.seqlen_k);
+}
