@@ -32,7 +32,7 @@ WGMMA_CANDIDATES = {  # head_dim -> [(block_m, block_n, stages)] for sm90/bwd.cu
     64: [(128, 128, 2)],
     128: [(64, 128, 2)],
     192: [],
-    256: [],
+    256: [(64, 64, 2)],
 }
 ORIGINAL = specs.bwd_grid_tile, specs.bwd_tile, specs.bwd_wgmma_tile
 

@@ -290,8 +290,8 @@ def bwd_grid_spec(dtype: str, d: int, dv: int, arch: str, tile: BwdGridTile) -> 
                       defines, smem)
 
 
-# The Hopper backward (kernels/sm90/bwd.cu): every product on wgmma, two warpgroups of 64 keys per block, for
-# head dims 64 and 128 (q/k and v alike) without score modifications on sm_90a. Tiles in 128-byte swizzle blocks,
+# The Hopper backward (kernels/sm90/bwd.cu): every product on wgmma, two warpgroups per block, for head dims 64,
+# 128 and 256 (q/k and v alike) without score modifications on sm_90a. Tiles in 128-byte swizzle blocks,
 # the layout wgmma's descriptors read; the block's shared storage is aligned to the swizzle's 1024-byte period.
 
 
@@ -305,10 +305,15 @@ class BwdWgmmaTile:
 
 
 SWIZZLE_ATOM_BYTES = 1024
-BWD_WGMMA_TILES = {
-    64: BwdWgmmaTile(128, 128, 2, "dQ split by rows (64 queries per warpgroup); 82 KB"),
-    128: BwdWgmmaTile(64, 128, 2, "dQ split by columns (64 per warpgroup); S^T, dP^T 32 and dK, dV 64 registers "
-                                  "each; 145 KB"),
+WGMMA_M = 64  # rows of a warpgroup product: a warpgroup's keys
+BWD_WGMMA_TILES = {  # measured with scripts/tune_bwd.py, n16k, non-causal / causal, 2026-11-29 (session six)
+    64: BwdWgmmaTile(128, 128, 2, "keys split, dQ split by rows (64 queries per warpgroup); 130 KB. 340/339 TFLOP/s "
+                                  "against sdpa-flash 291/279 and bwd.cu's 247/246"),
+    128: BwdWgmmaTile(64, 128, 2, "keys split, dQ split by columns (64 per warpgroup); S^T, dP^T 32 and dK, dV 64 "
+                                  "registers each; 145 KB. 382/381 against sdpa-flash 312/318 and bwd.cu's 258/261"),
+    256: BwdWgmmaTile(64, 64, 2, "columns split: 64 keys shared by both warpgroups, each with half of dK, dV and dQ "
+                                 "(64 registers each); P^T through shared memory too; 209 KB. 268/272 against "
+                                 "sdpa-flash 263/259 and bwd_grid.cu's 192/196"),
 }
 
 
@@ -321,7 +326,8 @@ def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False) -> BwdW
 
 def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
     m, n, stages = tile.block_m, tile.block_n, tile.stages
-    storage = (2 * n * d + 2 * stages * m * d + n * m) * ELEM_BYTES + 2 * stages * m * 4
+    split_columns = n == WGMMA_M  # one key block for both warpgroups: P^T goes through shared memory as well
+    storage = (2 * n * d + 2 * stages * m * d + (1 + split_columns) * n * m) * ELEM_BYTES + 2 * stages * m * 4
     smem = -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", d), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0),

@@ -55,6 +55,30 @@ enum Pass { kAll = 0, kOnlyDv = 1, kDkDq = 2 };
 // ---------------------------------------------------------------------------------------------------
 // The main kernel: one block per (key tile, key/value head, batch).
 // ---------------------------------------------------------------------------------------------------
+// Epilogue of a block: the warp's 16 rows of dK or dV (times `scale`) go over its own rows of the K or V
+// tile in shared memory, then to global memory 16 bytes at a time.
+template <typename Tile, int kTiles>
+__device__ __forceinline__ void store_slab(elem_t* tile_smem, const float (&acc)[kTiles][4], float scale, elem_t* dst,
+                                           i64 row_stride, int dim, int n0, int seqlen_k) {
+    const int warp_row0 = (threadIdx.x / kWarpSize) * kMmaM, lane = threadIdx.x % kWarpSize;
+    const int g = lane / kQuad, t = lane % kQuad;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j)
+            *reinterpret_cast<u32*>(tile_smem + Tile::offset(warp_row0 + g + 8 * half, j * kMmaN + 2 * t)) =
+                pack2<elem_t>(acc[j][2 * half] * scale, acc[j][2 * half + 1] * scale);
+    __syncwarp();
+    constexpr int kVecsPerRow = kTiles * kMmaN / kElemsPerVector;
+    for (int idx = lane; idx < kMmaM * kVecsPerRow; idx += kWarpSize) {
+        const int local_row = warp_row0 + idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
+        const int row = n0 + local_row;
+        if (row < seqlen_k && col < dim)
+            *reinterpret_cast<uint4*>(dst + (i64)row * row_stride + col) =
+                *reinterpret_cast<const uint4*>(tile_smem + Tile::offset(local_row, col));
+    }
+}
+
 // acc (one warp's 16 keys x kBlockM queries) += A B^T over kDim columns: A = the warp's 16 rows of a keys-major
 // tile (K or V), B = the rows of a queries-major tile (Q or dO). S^T and dP^T are both this product.
 template <typename ATile, typename BTile, int kDim>

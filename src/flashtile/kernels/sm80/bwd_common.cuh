@@ -160,28 +160,48 @@ __device__ __forceinline__ void for_each_step(int steps, const LoadStep& load_st
     __syncthreads();
 }
 
-// Epilogue of a block: the warp's 16 rows of dK or dV (times `scale`) go over its own rows of the K or V
-// tile in shared memory, then to global memory 16 bytes at a time.
-template <typename Tile, int kTiles>
-__device__ __forceinline__ void store_slab(elem_t* tile_smem, const float (&acc)[kTiles][4], float scale,
-                                           elem_t* dst, i64 row_stride, int dim, int n0, int seqlen_k) {
-    const int warp_row0 = (threadIdx.x / kWarpSize) * kMmaM, lane = threadIdx.x % kWarpSize;
-    const int g = lane / kQuad, t = lane % kQuad;
+// Epilogue of a block whose warps own kSlabs x 16 rows by kTiles n8 columns of dK or dV (bwd_grid.cu, sm90/bwd.cu):
+// each warp's piece (times `scale`) goes over the same place in the K or V tile in shared memory (free by then),
+// and after a barrier the block stores the tile 16 bytes at a time.
+template <typename Tile, int kSlabs, int kTiles>
+__device__ __forceinline__ void stage_tile(elem_t* tile_smem, const float (&acc)[kSlabs][kTiles][4], float scale,
+                                           int row0, int col0) {
+    const int lane = threadIdx.x % kWarpSize, g = lane / kQuad, t = lane % kQuad;
 #pragma unroll
-    for (int half = 0; half < 2; ++half)
+    for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
-        for (int j = 0; j < kTiles; ++j)
-            *reinterpret_cast<u32*>(tile_smem + Tile::offset(warp_row0 + g + 8 * half, j * kMmaN + 2 * t)) =
-                pack2<elem_t>(acc[j][2 * half] * scale, acc[j][2 * half + 1] * scale);
-    __syncwarp();
-    constexpr int kVecsPerRow = kTiles * kMmaN / kElemsPerVector;
-    for (int idx = lane; idx < kMmaM * kVecsPerRow; idx += kWarpSize) {
-        const int local_row = warp_row0 + idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int j = 0; j < kTiles; ++j)
+                *reinterpret_cast<u32*>(tile_smem + Tile::offset(row0 + sl * kMmaM + g + 8 * half,
+                                                                 col0 + j * kMmaN + 2 * t)) =
+                    pack2<elem_t>(acc[sl][j][2 * half] * scale, acc[sl][j][2 * half + 1] * scale);
+}
+
+template <typename Tile, int kCols>
+__device__ __forceinline__ void store_tile(const elem_t* tile_smem, elem_t* dst, i64 row_stride, int dim, int n0,
+                                           int seqlen_k) {
+    constexpr int kVecsPerRow = kCols / kElemsPerVector;
+    for (int idx = threadIdx.x; idx < kBlockN * kVecsPerRow; idx += kThreads) {
+        const int local_row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
         const int row = n0 + local_row;
         if (row < seqlen_k && col < dim)
             *reinterpret_cast<uint4*>(dst + (i64)row * row_stride + col) =
                 *reinterpret_cast<const uint4*>(tile_smem + Tile::offset(local_row, col));
     }
+}
+
+// The key block and key/value head a block of the main kernel serves (grid: key blocks x kv heads x batch).
+// Deterministic mode hands each dQ tile from key block to key block in key order, so key block n of a head
+// runs about n steps behind key block 0. Launched head by head, a wave of resident blocks holds one head's key
+// blocks and most of them idle at the start; launched key block by key block (heads fastest), a wave holds
+// the first few key blocks of every head and the lag stays a few steps. A block still waits only for blocks
+// launched before it. The default mode keeps one head's blocks together: they share its Q and dO in L2.
+struct KeyBlock { int n_block, h_kv; };
+__device__ __forceinline__ KeyBlock key_block_of(const BwdParams& p) {
+    if (p.dq_semaphore == nullptr) return {(int)blockIdx.x, (int)blockIdx.y};
+    const int linear = blockIdx.y * gridDim.x + blockIdx.x;
+    return {linear / (int)gridDim.y, linear % (int)gridDim.y};
 }
 
 // Deterministic mode: the blocks that add into one dQ tile take turns in key order. The constructor holds thread 0

@@ -102,36 +102,6 @@ __device__ __forceinline__ void keys_by_queries(float (&acc)[kSlabs1][kQueryTile
 // ---------------------------------------------------------------------------------------------------
 // The main kernel: one block per (key tile, key/value head, batch).
 // ---------------------------------------------------------------------------------------------------
-// Epilogue of a block: the warp's phase-2 tile of dK or dV (times `scale`) goes over the same place in the K
-// or V tile in shared memory (free by then), and the block stores the tile 16 bytes at a time.
-template <typename Tile, int kSlabs, int kTiles>
-__device__ __forceinline__ void stage_tile(elem_t* tile_smem, const float (&acc)[kSlabs][kTiles][4], float scale,
-                                           int row0, int col0) {
-    const int lane = threadIdx.x % kWarpSize, g = lane / kQuad, t = lane % kQuad;
-#pragma unroll
-    for (int sl = 0; sl < kSlabs; ++sl)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-            for (int j = 0; j < kTiles; ++j)
-                *reinterpret_cast<u32*>(tile_smem + Tile::offset(row0 + sl * kMmaM + g + 8 * half,
-                                                                 col0 + j * kMmaN + 2 * t)) =
-                    pack2<elem_t>(acc[sl][j][2 * half] * scale, acc[sl][j][2 * half + 1] * scale);
-}
-
-template <typename Tile, int kCols>
-__device__ __forceinline__ void store_tile(const elem_t* tile_smem, elem_t* dst, i64 row_stride, int dim, int n0,
-                                           int seqlen_k) {
-    constexpr int kVecsPerRow = kCols / kElemsPerVector;
-    for (int idx = threadIdx.x; idx < kBlockN * kVecsPerRow; idx += kThreads) {
-        const int local_row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
-        const int row = n0 + local_row;
-        if (row < seqlen_k && col < dim)
-            *reinterpret_cast<uint4*>(dst + (i64)row * row_stride + col) =
-                *reinterpret_cast<const uint4*>(tile_smem + Tile::offset(local_row, col));
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_constant__ BwdParams p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);

@@ -1,21 +1,25 @@
-// sm90/bwd.cu — the backward pass on Hopper's warpgroup products (wgmma, sm_90a), head dims 64 and 128.
+// sm90/bwd.cu — the backward pass on Hopper's warpgroup products (wgmma, sm_90a), head dims 64, 128 and 256.
 //
 // Idea:     rung 4's backward (sm80/bwd.cu: the same frame, the same math, transposed so that rows are keys),
-//           with every product on wgmma. A block owns kBlockN keys, two warpgroups of 64 keys each; per query
-//           tile a warpgroup computes
+//           with every product on wgmma. A block owns kBlockN keys and two warpgroups; per query tile it computes
 //               S^T  = K Q^T,   dP^T = V dO^T          (SS: K/V and Q/dO both K-major in shared memory)
 //               P^T  = exp2(S^T * scale * log2e - LSE * log2e),   dS^T = P^T o (dP^T - D)
-//               dV  += P^T dO,  dK  += dS^T Q          (RS: P^T and dS^T straight from the accumulators)
+//               dV  += P^T dO,  dK  += dS^T Q
 //               dQ   = dS K                           (SS, both MN-major: dS^T through shared memory)
 //           and adds dQ into the fp32 accumulator. The products read Q, dO, K and V from shared memory
 //           themselves, once per warpgroup: rung 4 reads each fragment into every warp with ldmatrix, which
 //           made shared-memory bandwidth its bound (docs/notes.md). The softmax of S^T runs while dP^T is still
-//           in flight (two commit groups).
-//           dQ is split between the warpgroups by columns (d128: 64 queries x 64 columns each) or by rows
-//           (d64: 128-query steps, 64 rows each), so every operand starts on a 128-byte column block.
+//           in flight (two commit groups). Two ways to share the work between the warpgroups:
+//             split keys (d64, d128; kBlockN = 128): each warpgroup owns 64 keys and all of dK and dV's columns;
+//               dV and dK take P^T and dS^T straight from the accumulators (RS). dQ is split by rows (d64:
+//               128-query steps, 64 each) or by columns (d128: 64 each).
+//             split columns (d256; kBlockN = 64): dK and dV of 64 keys x 256 do not fit one warpgroup's
+//               registers, so each warpgroup owns half their columns; it computes S^T and dP^T for half the
+//               queries, P^T and dS^T meet in shared memory, and dV, dK (SS) and dQ take its half of the columns.
+//           Every operand starts on a 128-byte column block.
 // Beside:   sm80/bwd.cu serves every other head dim, score modifications and GPUs before Hopper; this kernel
-//           shares its frame through sm80/bwd_common.cuh (query ring, step loop, deterministic turns, the
-//           preprocess and dQ-conversion kernels).
+//           shares its frame through sm80/bwd_common.cuh (query ring, step loop, deterministic turns, epilogue,
+//           the preprocess and dQ-conversion kernels).
 // Measured: see docs/performance.md (backward rows).
 // Wastes:   no warp specialisation and no TMA: all threads issue the cp.async ring, and the two warpgroups
 //           meet at a barrier every step (dS^T is shared), so one's softmax does not overlap the other's
@@ -24,26 +28,39 @@
 #include "wgmma.cuh"
 
 constexpr int kWarpgroups = kWarps / kWarpgroupWarps;
-static_assert(kBlockN == kWarpgroups * kWgmmaM, "each warpgroup owns 64 keys");
-static_assert(kHeadDim == kHeadDimV && (kHeadDim == 64 || kHeadDim == 128), "the products exist for N = 64, 128");
-static_assert(kBlockM == 64 || kBlockM == 128, "the products exist for N = 64, 128");
+constexpr bool kSplitKeys = kBlockN == kWarpgroups * kWgmmaM;
+static_assert(kSplitKeys || kBlockN == kWgmmaM, "64 keys per warpgroup, or 64 keys shared by all");
+static_assert(kHeadDim == kHeadDimV, "one head dim for q, k and v");
 static_assert(kWideBlocks, "wgmma reads the 128-byte swizzled layout");
 static_assert(!kSoftcap && !kAlibi, "score modifications run in sm80/bwd.cu");
 
-// dQ (kBlockM x kHeadDim) per warpgroup: 64 rows x all columns when the step has a row block per warpgroup,
-// otherwise all 64 rows x its share of the columns.
+// A warpgroup's share: S^T/dP^T are its keys x kScoreQueries queries (from query kScoreQueries * group when the
+// columns are split); dK/dV its 64 keys x kGradCols columns; dQ kDqRows x kDqCols.
+constexpr int kScoreQueries = kSplitKeys ? kBlockM : kBlockM / kWarpgroups;
+constexpr int kGradCols = kSplitKeys ? kHeadDim : kHeadDim / kWarpgroups;
 constexpr bool kDqByRows = kBlockM == kWarpgroups * kWgmmaM;
 constexpr int kDqCols = kDqByRows ? kHeadDim : kHeadDim / kWarpgroups;
-static_assert(kDqByRows || (kBlockM == kWgmmaM && kDqCols == kSwizzleRowElems), "dQ pieces of whole column blocks");
-using DsTile = SwizzledTile<kBlockN, kBlockM, true>;  // dS^T: keys x queries
+static_assert(kScoreQueries == 32 || kScoreQueries == 64 || kScoreQueries == 128, "products exist for N 32-128");
+static_assert(kGradCols == 64 || kGradCols == 128, "products exist for N = 64, 128");
+static_assert(kDqCols == 64 || kDqCols == 128, "products exist for N = 64, 128");
+static_assert(kDqByRows || kBlockM == kWgmmaM, "dQ pieces of 64 rows");
+static_assert(kSplitKeys || kBlockM == kWgmmaM, "split columns: P^T's queries are one column block");
+static_assert(kGradCols % kSwizzleRowElems == 0 && kDqCols % kSwizzleRowElems == 0, "whole column blocks");
+constexpr int kScoreAccumulators = kScoreQueries / 2;
+constexpr int kGradAccumulators = kGradCols / 2;
+constexpr int kDqAccumulators = kDqCols / 2;
+constexpr int kScoreSteps = kScoreQueries / kWgmmaK;  // k16 steps of dV/dK over this warpgroup's queries
+
+using DsTile = SwizzledTile<kBlockN, kBlockM, true>;  // dS^T (and P^T when the columns are split): keys x queries
 template <typename Tile>
 constexpr u32 kColumnBlockBytes = Tile::kBlockElems * kElemBytes;  // a descriptor's step from block to block
 
-constexpr int kScoreAccumulators = kBlockM / 2;  // S^T, dP^T: 64 keys x kBlockM queries
-constexpr int kGradAccumulators = kHeadDim / 2;  // dK, dV: 64 keys x kHeadDim
-constexpr int kDqAccumulators = kDqCols / 2;
+// P^T goes through shared memory only when the columns are split; otherwise the empty base takes no space and
+// its null `p` is never used (the code that would is under `if constexpr`, but still has to compile).
+template <bool kShared> struct ProbabilityTile { elem_t p[DsTile::kElems]; };
+template <> struct ProbabilityTile<false> { static constexpr elem_t* p = nullptr; };
 
-struct __align__(kSwizzleAtomBytes) SharedStorage {
+struct __align__(kSwizzleAtomBytes) SharedStorage : ProbabilityTile<!kSplitKeys> {
     elem_t k[KTile::kElems];     // later the dK tile
     elem_t v[VTile::kElems];     // later the dV tile
     elem_t q[kStages][QTile::kElems];
@@ -53,8 +70,8 @@ struct __align__(kSwizzleAtomBytes) SharedStorage {
     float dsum[kStages][kBlockM];
 };
 
-// acc (this warpgroup's 64 keys x kBlockM queries) = A B^T over the head dim: A = 64 rows of K or V, B = the
-// query tile's Q or dO, both K-major; a k16 step is 32 bytes along the rows, every fourth one a column block on.
+// acc (64 keys x kScoreQueries queries) = A B^T over the head dim: A = 64 rows of K or V, B = rows of the query
+// tile's Q or dO, both K-major; a k16 step is 32 bytes along the rows, every fourth one a column block on.
 template <typename ATile, typename BTile>
 __device__ __forceinline__ void keys_by_queries(float (&acc)[kScoreAccumulators], u32 a_rows, u32 b_rows) {
 #pragma unroll
@@ -66,27 +83,45 @@ __device__ __forceinline__ void keys_by_queries(float (&acc)[kScoreAccumulators]
     }
 }
 
-// acc (64 keys x kHeadDim) += A B: A = P^T or dS^T from the registers (16-bit pairs, 16 queries per k step),
-// B = the query tile's dO or Q, MN-major: a k16 step is 16 rows further.
+// acc (64 keys x kGradCols) += A B over the block's queries, B = kGradCols columns of the query tile's dO or Q,
+// MN-major (a k16 step is 16 rows further). A = P^T or dS^T: from the registers (16-bit pairs, split keys) or
+// from shared memory, K-major (split columns).
 template <typename BTile>
-__device__ __forceinline__ void add_keys_by_dim(float (&acc)[kGradAccumulators],
-                                                const u32 (&a)[kBlockM / kWgmmaK][4], u32 b_tile) {
+__device__ __forceinline__ void add_keys_by_dim(float (&acc)[kGradAccumulators], const u32 (&a)[kScoreSteps][4],
+                                                u32 b_cols) {
 #pragma unroll
     for (int kk = 0; kk < kBlockM / kWgmmaK; ++kk)
-        wgmma_rs<1>(acc, a[kk], mn_major(b_tile + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<BTile>), 1);
+        wgmma_rs<1>(acc, a[kk], mn_major(b_cols + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<BTile>), 1);
+}
+template <typename BTile>
+__device__ __forceinline__ void add_keys_by_dim(float (&acc)[kGradAccumulators], u32 a_tile, u32 b_cols) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / kWgmmaK; ++kk)
+        wgmma_ss<0, 1>(acc, k_major(a_tile + kk * kWgmmaK * kElemBytes),
+                       mn_major(b_cols + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<BTile>), 1);
 }
 
 // This thread's accumulators as 16-bit A fragments, one per k16 step (n8 tiles 2kk and 2kk + 1).
-__device__ __forceinline__ void to_fragments(u32 (&a)[kBlockM / kWgmmaK][4],
-                                             const float (&acc)[kScoreAccumulators]) {
+__device__ __forceinline__ void to_fragments(u32 (&a)[kScoreSteps][4], const float (&acc)[kScoreAccumulators]) {
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / kWgmmaK; ++kk)
-        accumulators_to_a(a[kk], n8_tile(acc, 2 * kk), n8_tile(acc, 2 * kk + 1));
+    for (int kk = 0; kk < kScoreSteps; ++kk) accumulators_to_a(a[kk], n8_tile(acc, 2 * kk), n8_tile(acc, 2 * kk + 1));
 }
 
-// Epilogue: a warpgroup's dK or dV accumulators in rung 4's per-warp slab layout for store_slab.
-__device__ __forceinline__ const float (&as_slab(const float (&acc)[kGradAccumulators]))[kHeadDim / kMmaN][4] {
-    return *reinterpret_cast<const float(*)[kHeadDim / kMmaN][4]>(&acc[0]);
+// Fragments (keys x this warpgroup's queries) into a keys x queries tile in shared memory.
+__device__ __forceinline__ void store_fragments(elem_t* tile, const u32 (&a)[kScoreSteps][4], int key0, int query0) {
+#pragma unroll
+    for (int kk = 0; kk < kScoreSteps; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int key = key0 + 8 * (i % 2), query = query0 + kk * kWgmmaK + 8 * (i / 2);
+            *reinterpret_cast<u32*>(tile + DsTile::offset(key, query)) = a[kk][i];
+        }
+}
+
+// A warp's 16 rows of a warpgroup's accumulators as stage_tile takes them (one slab of n8 tiles).
+template <int kAccumulators>
+__device__ __forceinline__ const float (&as_slab(const float (&acc)[kAccumulators]))[1][kAccumulators / 4][4] {
+    return *reinterpret_cast<const float(*)[1][kAccumulators / 4][4]>(&acc[0]);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_constant__ BwdParams p) {
@@ -101,7 +136,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
     // serialized, ptxas info C7520): broadcast from lane 0.
     const int group = __shfl_sync(kFullWarpMask, warp / kWarpgroupWarps, 0);
 
-    const int n_block = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z;
+    const KeyBlock block = key_block_of(p);
+    const int n_block = block.n_block, h_kv = block.h_kv, b = blockIdx.z;
     const int h_first = h_kv * f.group;
     const Problem pr0 = locate_problem(f, b, h_first);
     const int n0 = n_block * kBlockN;
@@ -130,10 +166,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
         cp_async_commit();
     }
 
+    // This warpgroup's share (see the top of the file), as tile offsets: its keys, the queries of its S^T,
+    // the columns of its dK/dV, its rows and columns of dQ.
+    const int key0 = kSplitKeys ? group * kWgmmaM : 0, query0 = kSplitKeys ? 0 : group * kScoreQueries;
+    const int grad_col0 = kSplitKeys ? 0 : group * kGradCols;
+    const int dq_row0 = kDqByRows ? group * kWgmmaM : 0, dq_col0 = kDqByRows ? 0 : group * kDqCols;
+    const int row_in_group = (warp % kWarpgroupWarps) * kMmaM + g;  // this lane's rows: +0 and +8
+    const u32 k_rows = k_smem + key0 * kSwizzleRowBytes, v_rows = v_smem + key0 * kSwizzleRowBytes;
+    const u32 ds_piece = ds_smem + (dq_row0 / kSwizzleRowElems) * kColumnBlockBytes<DsTile>;
+    const u32 k_cols = k_smem + (dq_col0 / kSwizzleRowElems) * kColumnBlockBytes<KTile>;
+    const u32 grad_block = (grad_col0 / kSwizzleRowElems);  // dO's and Q's first column block for dV and dK
     const float log2_factor = f.scale_log2;
-    const int group_key0 = group * kWgmmaM;                                  // this warpgroup's keys in the tile
-    const int row_in_group = (warp % kWarpgroupWarps) * kMmaM + g;            // this lane's rows: +0 and +8
-    const u32 k_rows = k_smem + group_key0 * kSwizzleRowBytes, v_rows = v_smem + group_key0 * kSwizzleRowBytes;
 
     float dk[kGradAccumulators] = {};
     float dv[kGradAccumulators] = {};
@@ -141,17 +184,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
     auto step_body = [&](int step, int stage, bool masked) {
         const int head = h_first + step / m_tiles, m_tile = m_tile_of(step), m0 = m_tile * kBlockM;
         const u32 sq = q_smem + stage * kQStageBytes, sdo = do_smem + stage * kDoStageBytes;
-        const u32 lse_row = lse_smem + stage * kRowStageBytes + 2 * t * sizeof(float);   // this lane's column 0
-        const u32 dsum_row = dsum_smem + stage * kRowStageBytes + 2 * t * sizeof(float);
+        const u32 row_values = stage * kRowStageBytes + (query0 + 2 * t) * sizeof(float);  // this lane's column 0
+        const u32 lse_row = lse_smem + row_values, dsum_row = dsum_smem + row_values;
 
         // S^T and dP^T, two commit groups: the softmax of S^T runs while dP^T is computed.
         float s[kScoreAccumulators], dp[kScoreAccumulators];
         fence_operands(s);
         fence_operands(dp);
         wgmma_fence();
-        keys_by_queries<KTile, QTile>(s, k_rows, sq);
+        keys_by_queries<KTile, QTile>(s, k_rows, sq + query0 * kSwizzleRowBytes);
         wgmma_commit();
-        keys_by_queries<VTile, DoTile>(dp, v_rows, sdo);
+        keys_by_queries<VTile, DoTile>(dp, v_rows, sdo + query0 * kSwizzleRowBytes);
         wgmma_commit();
         wgmma_wait<1>();
         fence_operands(s);
@@ -159,10 +202,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
         // P^T = exp2(score * log2_factor - lse_log2[query]); masked scores give 0.
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int key = n0 + group_key0 + row_in_group + 8 * half, col0 = m0 + 2 * t;
+            const int key = n0 + key0 + row_in_group + 8 * half, col0 = m0 + query0 + 2 * t;
             const int lo = mask.first_query(key) - col0, hi = mask.end_query(key) - col0;
 #pragma unroll
-            for (int j = 0; j < kBlockM / kMmaN; ++j)
+            for (int j = 0; j < kScoreQueries / kMmaN; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float& x = s[4 * j + 2 * half + e];
@@ -171,54 +214,60 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
                     x = fast_exp2(fmaf(x, log2_factor, -ld_shared_in_order(lse_row + col * sizeof(float))));
                 }
         }
-        u32 p16[kBlockM / kWgmmaK][4];
+        u32 p16[kScoreSteps][4];
         to_fragments(p16, s);
 
         // dS^T = P^T o (dP^T - D[query]), from the 16-bit P^T that dV uses too.
         wgmma_wait<0>();
         fence_operands(dp);
 #pragma unroll
-        for (int j = 0; j < kBlockM / kMmaN; ++j)
+        for (int j = 0; j < kScoreQueries / kMmaN; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const float prob = unpack_probability<elem_t>(p16[j / 2][2 * (j % 2) + i / 2], i % 2);
                 const float dsum = ld_shared_in_order(dsum_row + (j * kMmaN + (i & 1)) * sizeof(float));
                 dp[4 * j + i] = prob * (dp[4 * j + i] - dsum);
             }
-        u32 ds16[kBlockM / kWgmmaK][4];
+        u32 ds16[kScoreSteps][4];
         to_fragments(ds16, dp);
 
-        // dV += P^T dO and dK += dS^T Q (the softmax scale is applied once, at the end), in flight while dS^T
-        // goes to shared memory for dQ.
-        fence_operands(dv);
-        fence_operands(dk);
-        wgmma_fence();
-        add_keys_by_dim<DoTile>(dv, p16, sdo);
-        add_keys_by_dim<QTile>(dk, ds16, sq);
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / kWgmmaK; ++kk)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int key = group_key0 + row_in_group + 8 * (i % 2), query = kk * kWgmmaK + 8 * (i / 2) + 2 * t;
-                *reinterpret_cast<u32*>(smem.ds + DsTile::offset(key, query)) = ds16[kk][i];
-            }
+        // dV += P^T dO and dK += dS^T Q (the softmax scale is applied once, at the end). With the keys split they
+        // run from the registers while dS^T goes to shared memory for dQ; with the columns split P^T and dS^T
+        // meet there first.
+        const u32 do_cols = sdo + grad_block * kColumnBlockBytes<DoTile>;
+        const u32 q_cols = sq + grad_block * kColumnBlockBytes<QTile>;
+        if constexpr (kSplitKeys) {
+            fence_operands(dv);
+            fence_operands(dk);
+            wgmma_fence();
+            add_keys_by_dim<DoTile>(dv, p16, do_cols);
+            add_keys_by_dim<QTile>(dk, ds16, q_cols);
+            wgmma_commit();
+        } else {
+            store_fragments(smem.p, p16, key0 + row_in_group, query0 + 2 * t);
+        }
+        store_fragments(smem.ds, ds16, key0 + row_in_group, query0 + 2 * t);
         fence_proxy_async();
         const DqTurn turn(p, mask, b, head, m_tile, m0, n_block);  // deterministic mode: wait for this dQ tile
         __syncthreads();
+        if constexpr (!kSplitKeys) {
+            fence_operands(dv);
+            fence_operands(dk);
+            wgmma_fence();
+            add_keys_by_dim<DoTile>(dv, smem_addr(smem.p), do_cols);
+            add_keys_by_dim<QTile>(dk, ds_smem, q_cols);
+            wgmma_commit();
+        }
 
         // dQ = dS K for this warpgroup's piece: A = dS, i.e. dS^T's rows read MN-major (a k16 step is 16 keys,
         // 16 rows further); B = K, MN-major the same way.
-        const int dq_row0 = kDqByRows ? group * kWgmmaM : 0, dq_col0 = kDqByRows ? 0 : group * kDqCols;
-        const u32 ds_piece = ds_smem + (dq_row0 / kSwizzleRowElems) * kColumnBlockBytes<DsTile>;
-        const u32 k_piece = k_smem + (dq_col0 / kSwizzleRowElems) * kColumnBlockBytes<KTile>;
         float dq[kDqAccumulators];
         fence_operands(dq);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockN / kWgmmaK; ++kk)
             wgmma_ss<1, 1>(dq, mn_major(ds_piece + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<DsTile>),
-                           mn_major(k_piece + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<KTile>), kk > 0);
+                           mn_major(k_cols + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<KTile>), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(dq);
@@ -244,12 +293,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
         step_body(step, stage, !mask.tile_unmasked(m0, min(m0 + kBlockM, pr0.seqlen_q), n0, n0 + kBlockN));
     });
 
-    store_slab<KTile>(smem.k, as_slab(dk), f.softmax_scale,
-                      static_cast<elem_t*>(p.dk) + row_offset(p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b,
-                                                              pr0.k_start, h_kv),
-                      p.dk_row_stride, f.head_dim, n0, pr0.seqlen_k);
-    store_slab<VTile>(smem.v, as_slab(dv), 1.f,
-                      static_cast<elem_t*>(p.dv) + row_offset(p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b,
-                                                              pr0.k_start, h_kv),
-                      p.dv_row_stride, f.head_dim_v, n0, pr0.seqlen_k);
+    const int slab_row0 = key0 + (warp % kWarpgroupWarps) * kMmaM;
+    stage_tile<KTile>(smem.k, as_slab(dk), f.softmax_scale, slab_row0, grad_col0);
+    stage_tile<VTile>(smem.v, as_slab(dv), 1.f, slab_row0, grad_col0);
+    __syncthreads();
+    store_tile<KTile, kHeadDim>(smem.k, static_cast<elem_t*>(p.dk) + row_offset(p.dk_batch_stride, p.dk_row_stride,
+                                                                                p.dk_head_stride, b, pr0.k_start, h_kv),
+                                p.dk_row_stride, f.head_dim, n0, pr0.seqlen_k);
+    store_tile<VTile, kHeadDimV>(smem.v, static_cast<elem_t*>(p.dv) + row_offset(p.dv_batch_stride, p.dv_row_stride,
+                                                                                 p.dv_head_stride, b, pr0.k_start, h_kv),
+                                 p.dv_row_stride, f.head_dim_v, n0, pr0.seqlen_k);
 }
