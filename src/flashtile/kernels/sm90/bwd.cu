@@ -14,8 +14,10 @@
 //               dV and dK take P^T and dS^T straight from the accumulators (RS). dQ is split by rows (d64:
 //               128-query steps, 64 each) or by columns (d128: 64 each).
 //             split columns (d256; kBlockN = 64): dK and dV of 64 keys x 256 do not fit one warpgroup's
-//               registers, so each warpgroup owns half their columns; it computes S^T and dP^T for half the
-//               queries, P^T and dS^T meet in shared memory, and dV, dK (SS) and dQ take its half of the columns.
+//               registers, so each warpgroup owns half their columns. Warpgroup 0 computes S^T and P^T,
+//               warpgroup 1 dP^T and, once P^T is in shared memory, dS^T; then dV, dK (SS) and dQ take each
+//               warpgroup's half of the columns. (Splitting S^T and dP^T by queries instead, m64n32 products
+//               reading all of K and V in both warpgroups, measured 268/272 TFLOP/s at n16k.)
 //           Every operand starts on a 128-byte column block.
 // Beside:   sm80/bwd.cu serves every other head dim, score modifications and GPUs before Hopper; this kernel
 //           shares its frame through sm80/bwd_common.cuh (query ring, step loop, deterministic turns, epilogue,
@@ -34,22 +36,20 @@ static_assert(kHeadDim == kHeadDimV, "one head dim for q, k and v");
 static_assert(kWideBlocks, "wgmma reads the 128-byte swizzled layout");
 static_assert(!kSoftcap && !kAlibi, "score modifications run in sm80/bwd.cu");
 
-// A warpgroup's share: S^T/dP^T are its keys x kScoreQueries queries (from query kScoreQueries * group when the
-// columns are split); dK/dV its 64 keys x kGradCols columns; dQ kDqRows x kDqCols.
-constexpr int kScoreQueries = kSplitKeys ? kBlockM : kBlockM / kWarpgroups;
+// A warpgroup's share: S^T and dP^T of its 64 keys x the kBlockM queries (split columns: warpgroup 0 S^T, 1 dP^T);
+// dK/dV its 64 keys x kGradCols columns; dQ 64 rows x kDqCols.
 constexpr int kGradCols = kSplitKeys ? kHeadDim : kHeadDim / kWarpgroups;
 constexpr bool kDqByRows = kBlockM == kWarpgroups * kWgmmaM;
 constexpr int kDqCols = kDqByRows ? kHeadDim : kHeadDim / kWarpgroups;
-static_assert(kScoreQueries == 32 || kScoreQueries == 64 || kScoreQueries == 128, "products exist for N 32-128");
 static_assert(kGradCols == 64 || kGradCols == 128, "products exist for N = 64, 128");
 static_assert(kDqCols == 64 || kDqCols == 128, "products exist for N = 64, 128");
 static_assert(kDqByRows || kBlockM == kWgmmaM, "dQ pieces of 64 rows");
 static_assert(kSplitKeys || kBlockM == kWgmmaM, "split columns: P^T's queries are one column block");
 static_assert(kGradCols % kSwizzleRowElems == 0 && kDqCols % kSwizzleRowElems == 0, "whole column blocks");
-constexpr int kScoreAccumulators = kScoreQueries / 2;
+constexpr int kScoreAccumulators = kBlockM / 2;
 constexpr int kGradAccumulators = kGradCols / 2;
 constexpr int kDqAccumulators = kDqCols / 2;
-constexpr int kScoreSteps = kScoreQueries / kWgmmaK;  // k16 steps of dV/dK over this warpgroup's queries
+constexpr int kScoreSteps = kBlockM / kWgmmaK;  // k16 steps of dV/dK over the step's queries
 
 using DsTile = SwizzledTile<kBlockN, kBlockM, true>;  // dS^T (and P^T when the columns are split): keys x queries
 template <typename Tile>
@@ -70,7 +70,7 @@ struct __align__(kSwizzleAtomBytes) SharedStorage : ProbabilityTile<!kSplitKeys>
     float dsum[kStages][kBlockM];
 };
 
-// acc (64 keys x kScoreQueries queries) = A B^T over the head dim: A = 64 rows of K or V, B = rows of the query
+// acc (64 keys x kBlockM queries) = A B^T over the head dim: A = 64 rows of K or V, B = rows of the query
 // tile's Q or dO, both K-major; a k16 step is 32 bytes along the rows, every fourth one a column block on.
 template <typename ATile, typename BTile>
 __device__ __forceinline__ void keys_by_queries(float (&acc)[kScoreAccumulators], u32 a_rows, u32 b_rows) {
@@ -107,7 +107,8 @@ __device__ __forceinline__ void to_fragments(u32 (&a)[kScoreSteps][4], const flo
     for (int kk = 0; kk < kScoreSteps; ++kk) accumulators_to_a(a[kk], n8_tile(acc, 2 * kk), n8_tile(acc, 2 * kk + 1));
 }
 
-// Fragments (keys x this warpgroup's queries) into a keys x queries tile in shared memory.
+// A thread's fragments (its keys x the step's queries, from row key0 and column query0) into and out of a
+// keys x queries tile in shared memory.
 __device__ __forceinline__ void store_fragments(elem_t* tile, const u32 (&a)[kScoreSteps][4], int key0, int query0) {
 #pragma unroll
     for (int kk = 0; kk < kScoreSteps; ++kk)
@@ -115,6 +116,15 @@ __device__ __forceinline__ void store_fragments(elem_t* tile, const u32 (&a)[kSc
         for (int i = 0; i < 4; ++i) {
             const int key = key0 + 8 * (i % 2), query = query0 + kk * kWgmmaK + 8 * (i / 2);
             *reinterpret_cast<u32*>(tile + DsTile::offset(key, query)) = a[kk][i];
+        }
+}
+__device__ __forceinline__ void load_fragments(u32 (&a)[kScoreSteps][4], const elem_t* tile, int key0, int query0) {
+#pragma unroll
+    for (int kk = 0; kk < kScoreSteps; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int key = key0 + 8 * (i % 2), query = query0 + kk * kWgmmaK + 8 * (i / 2);
+            a[kk][i] = *reinterpret_cast<const u32*>(tile + DsTile::offset(key, query));
         }
 }
 
@@ -166,9 +176,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
         cp_async_commit();
     }
 
-    // This warpgroup's share (see the top of the file), as tile offsets: its keys, the queries of its S^T,
-    // the columns of its dK/dV, its rows and columns of dQ.
-    const int key0 = kSplitKeys ? group * kWgmmaM : 0, query0 = kSplitKeys ? 0 : group * kScoreQueries;
+    // This warpgroup's share (see the top of the file), as tile offsets: its keys, the columns of its dK/dV,
+    // its rows and columns of dQ.
+    const int key0 = kSplitKeys ? group * kWgmmaM : 0;
     const int grad_col0 = kSplitKeys ? 0 : group * kGradCols;
     const int dq_row0 = kDqByRows ? group * kWgmmaM : 0, dq_col0 = kDqByRows ? 0 : group * kDqCols;
     const int row_in_group = (warp % kWarpgroupWarps) * kMmaM + g;  // this lane's rows: +0 and +8
@@ -184,83 +194,99 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
     auto step_body = [&](int step, int stage, bool masked) {
         const int head = h_first + step / m_tiles, m_tile = m_tile_of(step), m0 = m_tile * kBlockM;
         const u32 sq = q_smem + stage * kQStageBytes, sdo = do_smem + stage * kDoStageBytes;
-        const u32 row_values = stage * kRowStageBytes + (query0 + 2 * t) * sizeof(float);  // this lane's column 0
+        const u32 row_values = stage * kRowStageBytes + 2 * t * sizeof(float);  // this lane's column 0
         const u32 lse_row = lse_smem + row_values, dsum_row = dsum_smem + row_values;
 
-        // S^T and dP^T, two commit groups: the softmax of S^T runs while dP^T is computed.
-        float s[kScoreAccumulators], dp[kScoreAccumulators];
-        fence_operands(s);
-        fence_operands(dp);
-        wgmma_fence();
-        keys_by_queries<KTile, QTile>(s, k_rows, sq + query0 * kSwizzleRowBytes);
-        wgmma_commit();
-        keys_by_queries<VTile, DoTile>(dp, v_rows, sdo + query0 * kSwizzleRowBytes);
-        wgmma_commit();
-        wgmma_wait<1>();
-        fence_operands(s);
-
-        // P^T = exp2(score * log2_factor - lse_log2[query]); masked scores give 0.
+        // P^T = exp2(score * log2_factor - lse_log2[query]) as 16-bit A fragments; masked scores give 0.
+        auto probabilities = [&](float (&x)[kScoreAccumulators], u32 (&p16)[kScoreSteps][4]) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int key = n0 + key0 + row_in_group + 8 * half, col0 = m0 + query0 + 2 * t;
-            const int lo = mask.first_query(key) - col0, hi = mask.end_query(key) - col0;
+            for (int half = 0; half < 2; ++half) {
+                const int key = n0 + key0 + row_in_group + 8 * half, col0 = m0 + 2 * t;
+                const int lo = mask.first_query(key) - col0, hi = mask.end_query(key) - col0;
 #pragma unroll
-            for (int j = 0; j < kScoreQueries / kMmaN; ++j)
+                for (int j = 0; j < kBlockM / kMmaN; ++j)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float& x = s[4 * j + 2 * half + e];
-                    const int col = j * kMmaN + e;  // + col0
-                    if (masked && (col < lo || col >= hi)) x = kNegInf;
-                    x = fast_exp2(fmaf(x, log2_factor, -ld_shared_in_order(lse_row + col * sizeof(float))));
-                }
-        }
-        u32 p16[kScoreSteps][4];
-        to_fragments(p16, s);
-
-        // dS^T = P^T o (dP^T - D[query]), from the 16-bit P^T that dV uses too.
-        wgmma_wait<0>();
-        fence_operands(dp);
-#pragma unroll
-        for (int j = 0; j < kScoreQueries / kMmaN; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float prob = unpack_probability<elem_t>(p16[j / 2][2 * (j % 2) + i / 2], i % 2);
-                const float dsum = ld_shared_in_order(dsum_row + (j * kMmaN + (i & 1)) * sizeof(float));
-                dp[4 * j + i] = prob * (dp[4 * j + i] - dsum);
+                    for (int e = 0; e < 2; ++e) {
+                        float& score = x[4 * j + 2 * half + e];
+                        const int col = j * kMmaN + e;  // + col0
+                        if (masked && (col < lo || col >= hi)) score = kNegInf;
+                        score = fast_exp2(fmaf(score, log2_factor, -ld_shared_in_order(lse_row + col * sizeof(float))));
+                    }
             }
-        u32 ds16[kScoreSteps][4];
-        to_fragments(ds16, dp);
+            to_fragments(p16, x);
+        };
+        // dS^T = P^T o (dP^T - D[query]) as 16-bit A fragments, from the 16-bit P^T that dV uses too.
+        auto score_gradients = [&](float (&dp)[kScoreAccumulators], const u32 (&p16)[kScoreSteps][4],
+                                   u32 (&ds16)[kScoreSteps][4]) {
+#pragma unroll
+            for (int j = 0; j < kBlockM / kMmaN; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float prob = unpack_probability<elem_t>(p16[j / 2][2 * (j % 2) + i / 2], i % 2);
+                    const float dsum = ld_shared_in_order(dsum_row + (j * kMmaN + (i & 1)) * sizeof(float));
+                    dp[4 * j + i] = prob * (dp[4 * j + i] - dsum);
+                }
+            to_fragments(ds16, dp);
+        };
 
-        // dV += P^T dO and dK += dS^T Q (the softmax scale is applied once, at the end). With the keys split they
-        // run from the registers while dS^T goes to shared memory for dQ; with the columns split P^T and dS^T
-        // meet there first.
+        u32 p16[kScoreSteps][4], ds16[kScoreSteps][4];
         const u32 do_cols = sdo + grad_block * kColumnBlockBytes<DoTile>;
         const u32 q_cols = sq + grad_block * kColumnBlockBytes<QTile>;
         if constexpr (kSplitKeys) {
+            // S^T and dP^T of this warpgroup's keys, two commit groups: the softmax of S^T runs while dP^T is
+            // computed. Then dV += P^T dO and dK += dS^T Q (the softmax scale is applied once, at the end) from
+            // the registers, in flight while dS^T goes to shared memory for dQ.
+            float s[kScoreAccumulators], dp[kScoreAccumulators];
+            fence_operands(s);
+            fence_operands(dp);
+            wgmma_fence();
+            keys_by_queries<KTile, QTile>(s, k_rows, sq);
+            wgmma_commit();
+            keys_by_queries<VTile, DoTile>(dp, v_rows, sdo);
+            wgmma_commit();
+            wgmma_wait<1>();
+            fence_operands(s);
+            probabilities(s, p16);
+            wgmma_wait<0>();
+            fence_operands(dp);
+            score_gradients(dp, p16, ds16);
             fence_operands(dv);
             fence_operands(dk);
             wgmma_fence();
             add_keys_by_dim<DoTile>(dv, p16, do_cols);
             add_keys_by_dim<QTile>(dk, ds16, q_cols);
             wgmma_commit();
+            store_fragments(smem.ds, ds16, key0 + row_in_group, 2 * t);
         } else {
-            store_fragments(smem.p, p16, key0 + row_in_group, query0 + 2 * t);
+            // Warpgroup 0 computes S^T = K Q^T and P^T, warpgroup 1 dP^T = V dO^T (the same product on the other
+            // tiles, so no branch around it); P^T meets dP^T in shared memory and warpgroup 1 forms dS^T.
+            float sdp[kScoreAccumulators];
+            fence_operands(sdp);
+            wgmma_fence();
+            keys_by_queries<KTile, QTile>(sdp, group == 0 ? k_rows : v_rows, group == 0 ? sq : sdo);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(sdp);
+            if (group == 0) {
+                probabilities(sdp, p16);
+                store_fragments(smem.p, p16, row_in_group, 2 * t);
+                fence_proxy_async();
+            }
+            __syncthreads();
+            if (group == 1) {
+                load_fragments(p16, smem.p, row_in_group, 2 * t);
+                score_gradients(sdp, p16, ds16);
+                store_fragments(smem.ds, ds16, row_in_group, 2 * t);
+            }
         }
-        store_fragments(smem.ds, ds16, key0 + row_in_group, query0 + 2 * t);
         fence_proxy_async();
         const DqTurn turn(p, mask, b, head, m_tile, m0, n_block);  // deterministic mode: wait for this dQ tile
         __syncthreads();
-        if constexpr (!kSplitKeys) {
-            fence_operands(dv);
-            fence_operands(dk);
-            wgmma_fence();
-            add_keys_by_dim<DoTile>(dv, smem_addr(smem.p), do_cols);
-            add_keys_by_dim<QTile>(dk, ds_smem, q_cols);
-            wgmma_commit();
-        }
 
         // dQ = dS K for this warpgroup's piece: A = dS, i.e. dS^T's rows read MN-major (a k16 step is 16 keys,
-        // 16 rows further); B = K, MN-major the same way.
+        // 16 rows further); B = K, MN-major the same way. With the columns split, dV and dK follow in a second
+        // commit group and run on while dQ's reductions issue; either way every product has finished before the
+        // step ends (the next step's loads refill this step's Q and dO).
         float dq[kDqAccumulators];
         fence_operands(dq);
         wgmma_fence();
@@ -269,10 +295,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
             wgmma_ss<1, 1>(dq, mn_major(ds_piece + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<DsTile>),
                            mn_major(k_cols + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<KTile>), kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+        if constexpr (!kSplitKeys) {
+            fence_operands(dv);
+            fence_operands(dk);
+            add_keys_by_dim<DoTile>(dv, smem_addr(smem.p), do_cols);
+            add_keys_by_dim<QTile>(dk, ds_smem, q_cols);
+            wgmma_commit();
+        }
+        wgmma_wait<kSplitKeys ? 0 : 1>();
         fence_operands(dq);
-        fence_operands(dv);
-        fence_operands(dk);
 
         float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
 #pragma unroll
@@ -284,6 +315,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
                 red_add2(accum + row * kHeadDim + dq_col0 + j * kMmaN + 2 * t, dq[4 * j + 2 * half],
                          dq[4 * j + 2 * half + 1]);
         }
+        wgmma_wait<0>();
+        fence_operands(dv);
+        fence_operands(dk);
         turn.pass();
     };
 

@@ -78,17 +78,6 @@ __device__ __forceinline__ const float (&n8_tile(const float (&d)[kAccumulators]
 // 0 overwrites d. SS: A and B from shared memory (descriptors); RS: A from registers (per warp 16 rows, the
 // m16n8k16 A-fragment layout), B from shared memory. kTransA / kTransB 1: that operand is MN-major.
 template <int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_ss(float (&d)[16], u64 desc_a, u64 desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16" FT_WGMMA_TYPES
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-                 "%16, %17, p, 1, 1, %19, %20;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
-                   "+f"(d[15])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB));
-}
-template <int kTransA, int kTransB>
 __device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 desc_a, u64 desc_b, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16" FT_WGMMA_TYPES
