@@ -1,8 +1,9 @@
-"""The backward pass on CUDA: rung 4's kernels (kernels/sm80/bwd.cu) and the buffers around them.
+"""The backward pass on CUDA: the kernels (specs.bwd_spec picks them: kernels/sm90/bwd.cu on Hopper, rung 4's
+kernels/sm80/bwd.cu and bwd_grid.cu otherwise) and the buffers around them.
 
 Three launches: a preprocess over query rows (D = rowsum(dO * O), the LSE in base 2, the fp32 dQ
-accumulator zeroed), the main kernel over key tiles (one launch, or two for head dims past 128: dV, then
-dK and dQ), and the conversion of the dQ accumulator to the dtype of q.
+accumulator zeroed), the main kernel over key tiles (one launch, or two for sm80/bwd.cu past head dim 128:
+dV, then dK and dQ), and the conversion of the dQ accumulator to the dtype of q.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from . import launch, specs
 from .forward import FwdProblem
 from .ladder import device_capability
 
-ROW_WARPS = 4           # bwd.cu kRowWarps: warps per block of the two row kernels
-ROWS_PER_BLOCK = 16     # bwd.cu kPreprocessRows
+ROW_WARPS = 4           # bwd_common.cuh kRowWarps: warps per block of the two row kernels
+ROWS_PER_BLOCK = 16     # bwd_common.cuh kPreprocessRows
 WARP = 32
 DTYPES = (torch.float16, torch.bfloat16)
 MIN_CAPABILITY = (8, 0)  # mma.sync and cp.async
