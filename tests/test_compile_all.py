@@ -44,3 +44,24 @@ def test_host_shared_memory_size_matches_the_kernel(spec, kernel_copy, monkeypat
 def test_every_spec_fits_the_shared_memory_of_its_arch(arch):
     for spec in specs.all_specs(arch):
         assert spec.smem_bytes <= specs.SMEM_LIMIT[arch], f"{spec.name}: {spec.smem_bytes} B"
+
+
+@pytest.mark.parametrize("arch, d, dv, mods, source", [
+    ("sm_90a", 64, 64, {}, "sm90/bwd.cu"),
+    ("sm_90a", 128, 128, {}, "sm90/bwd.cu"),
+    ("sm_90a", 100, 100, {}, "sm90/bwd.cu"),        # padded to 128
+    ("sm_90a", 96, 96, {}, "sm80/bwd.cu"),          # a compiled dim of its own, not a multiple of 64
+    ("sm_90a", 256, 256, {}, "sm90/bwd.cu"),
+    ("sm_90a", 192, 192, {}, "sm80/bwd_grid.cu"),
+    ("sm_90a", 192, 128, {}, "sm80/bwd_grid.cu"),
+    ("sm_90a", 128, 64, {}, "sm80/bwd.cu"),          # q/k and v head dims differ
+    ("sm_90a", 128, 128, {"softcap": True}, "sm80/bwd.cu"),
+    ("sm_90a", 128, 128, {"alibi": True}, "sm80/bwd.cu"),
+    ("sm_80", 128, 128, {}, "sm80/bwd.cu"),
+    ("sm_89", 64, 64, {}, "sm80/bwd.cu"),
+])
+def test_backward_kernel_choice(arch, d, dv, mods, source):
+    """wgmma's kernel serves Hopper at d64/d128/d256 without score modifications; rung 4's serve the rest."""
+    spec = specs.bwd_spec("bf16", d, dv, arch, **mods)
+    assert spec.source == source
+    assert spec.arch == arch
