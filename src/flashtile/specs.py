@@ -179,13 +179,13 @@ def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: boo
 
 
 # ---------------------------------------------------------------------------------------------------
-# Rung 4 backward, the 16-keys-per-warp kernel (kernels/sm80/bwd.cu): every head dim up to 128, GPUs with 99 KB of
-# shared memory, and softcap/ALiBi (the grid kernel below serves d192 and d256 on Hopper). A block owns block_n
-# keys (16 per warp) and keeps their dK and dV in registers: (d + dv) / 2 fp32 registers per thread, plus
-# block_m / 2 for dP and block_m / 4 for P (kept as 16-bit pairs in one-pass 64+-query steps). Past head dim
-# 128 that does not fit in 255 registers, so those dims run two passes (split: dV, then dK and dQ). The
-# reasons' numbers come from scripts/tune_bwd.py on the H200 at n16k, both tiles of a row in one run (d64 and
-# d128: 2026-11-29 afternoon).
+# Rung 4 backward, the 16-keys-per-warp kernel (kernels/sm80/bwd.cu): every case off Hopper; on Hopper
+# softcap/ALiBi, d96 and q/k and v head dims that differ (the wgmma kernel and the grid kernel below serve the
+# rest). A block owns block_n keys (16 per warp) and keeps their dK and dV in registers: (d + dv) / 2 fp32 registers
+# per thread, plus block_m / 2 for dP and block_m / 4 for P (kept as 16-bit pairs in one-pass 64+-query steps). Past
+# head dim 128 that does not fit in 255 registers, so those dims run two passes (split: dV, then dK and dQ). The
+# reasons' numbers come from scripts/tune_bwd.py on the H200 at n16k, both tiles of a row in one run (d64 and d128:
+# 2026-11-29 afternoon).
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -236,11 +236,12 @@ def bwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdTile:
     return tile
 
 
-# The per-phase warp-grid kernel (kernels/sm80/bwd_grid.cu), for head dims 192 and 256 where its tile fits the
-# GPU's shared memory (Hopper). Per step (block_m queries) each phase splits the 8 warps its own way: S/dP over
+# The per-phase warp-grid kernel (kernels/sm80/bwd_grid.cu), for head dim 192 where its tile fits the GPU's
+# shared memory (Hopper). Per step (block_m queries) each phase splits the 8 warps its own way: S/dP over
 # keys x queries, dK/dV over keys x head dim, dQ over queries x head dim, so dK and dV of a 64-key block fit the
 # registers in one pass (bwd.cu needs two past d128, recomputing S in each). At d <= 128 bwd.cu is faster
-# (d128 n16k: 260 against 241-245 TFLOP/s for this kernel's best tile), so only the two large dims are listed;
+# (d128 n16k: 260 against 241-245 TFLOP/s for this kernel's best tile), and on Hopper d64, d128 and d256 run
+# the wgmma kernel below (d256: 293/297 TFLOP/s against this kernel's 192/196), so only d192 is listed;
 # scripts/tune_bwd.py sweeps both kernels' tiles at any head dim.
 
 
@@ -259,9 +260,6 @@ class BwdGridTile:
 BWD_GRID_TILES = {
     192: BwdGridTile(64, 64, 8, 2, 4, 2, 4, "one pass where bwd.cu needs two: each warp 32 keys x 48 columns of "
                                             "dK and dV; 161 KB. n16k 188/191 TFLOP/s against bwd.cu's 166/168"),
-    256: BwdGridTile(64, 64, 8, 2, 4, 2, 2, "FA2's d256 tile, one pass: each warp 32 keys x 64 columns of dK and "
-                                            "dV (128 registers); 209 KB, Hopper only. n16k 192/196 TFLOP/s "
-                                            "against bwd.cu's two passes 167/169 (same run, 2026-11-29)"),
 }
 
 
@@ -312,8 +310,9 @@ BWD_WGMMA_TILES = {  # measured with scripts/tune_bwd.py, n16k, non-causal / cau
     128: BwdWgmmaTile(64, 128, 2, "keys split, dQ split by columns (64 per warpgroup); S^T, dP^T 32 and dK, dV 64 "
                                   "registers each; 145 KB. 382/381 against sdpa-flash 312/318 and bwd.cu's 258/261"),
     256: BwdWgmmaTile(64, 64, 2, "columns split: 64 keys shared by both warpgroups, each with half of dK, dV and dQ "
-                                 "(64 registers each); P^T through shared memory too; 209 KB. 268/272 against "
-                                 "sdpa-flash 263/259 and bwd_grid.cu's 192/196"),
+                                 "(64 registers each); warpgroup 0 S^T and P^T, warpgroup 1 dP^T and dS^T, both "
+                                 "through shared memory; 209 KB. 293/297 against sdpa-flash 263/259 and "
+                                 "bwd_grid.cu's 192/196 (S^T/dP^T split by queries instead: 268/272)"),
 }
 
 

@@ -1,4 +1,4 @@
-// sm80/bwd_grid.cu — the backward pass of rung 4 for head dims 192 and 256 on Hopper (mma.sync).
+// sm80/bwd_grid.cu — the backward pass of rung 4 for head dim 192 on Hopper (mma.sync).
 //
 // Idea:     FlashAttention-2's backward. Nothing of size seqlen x seqlen is stored: each block owns one
 //           tile of kBlockN keys, keeps K and V in shared memory and dK, dV in registers, and streams the
@@ -19,7 +19,9 @@
 //           there: fewer instructions, no P/dS round trip), score modifications and GPUs whose shared memory
 //           cannot hold this kernel's d192/d256 tiles. Past d128 bwd.cu's dK and dV do not fit the registers
 //           together and it runs two passes; this kernel's warp grids spread them over the block (each warp
-//           32 keys x 64 columns at d256), one pass: 1.17x bwd.cu at d256 n16k.
+//           32 keys x 64 columns at d256), one pass: 1.17x bwd.cu at d256 n16k. On Hopper d64, d128 and d256
+//           now run sm90/bwd.cu (wgmma), so the library asks this kernel for d192 only; scripts/tune_bwd.py
+//           still times it at any head dim.
 // Measured: see docs/performance.md (backward rows) and docs/notes.md.
 // Wastes:   dQ leaves through fp32 atomics (FA3 does the same); P and dS make a round trip through shared
 //           memory; mma.sync on Hopper, as in the forward.

@@ -18,7 +18,6 @@
 #include "../common/mma.cuh"
 
 constexpr int kWarpgroupWarps = 4;
-constexpr int kWarpgroupThreads = kWarpgroupWarps * kWarpSize;
 constexpr int kWgmmaM = 64;                                   // rows of every product
 constexpr int kWgmmaK = 16;                                   // K of one product for 16-bit inputs
 constexpr u32 kSwizzleRowBytes = 128;                         // one row of a column block
