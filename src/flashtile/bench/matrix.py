@@ -7,6 +7,7 @@ Shapes: bf16, 16384 tokens per run (batch = 16384 / seqlen), heads x head_dim = 
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -48,10 +49,9 @@ def run(dtype=torch.bfloat16, reps: int = 30, progress=None) -> dict:
             flops = measure.attention_flops(batch, heads, n, n, d, causal=causal, backward=backward)
             row = {"d": d, "n": n, "b": batch, "h": heads, "causal": causal, "pass": "bwd" if backward else "fwd",
                    "tflops": {}}
-            for name in KERNELS:
-                fn = _runner(name, q, k, v, causal, backward)
-                row["tflops"][name] = flops / measure.time_cuda(fn, reps=reps) / 1e9 if fn else None
-                del fn  # a backward runner holds its forward's graph
+            makers = {name: partial(_runner, name, q, k, v, causal, backward) for name in KERNELS}
+            for name, ms in measure.time_rounds(makers, reps=reps).items():
+                row["tflops"][name] = flops / ms / 1e9 if ms else None
             flash, ours = row["tflops"]["sdpa-flash"], row["tflops"]["flashtile"]
             peer_values = [t for name, t in row["tflops"].items() if name != "flashtile" and t]
             row["vs_flash"] = ours / flash if flash and ours else None
@@ -74,12 +74,10 @@ def training_checks(dtype, reps: int) -> dict:
     batch, n, heads, d = DETERMINISTIC_SHAPE
     for causal in (False, True):
         leaves = [torch.randn(batch, n, heads, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
-        times = {}
-        for deterministic in (False, True):
-            fn = peers.backward_runner(lambda: api.attention(*leaves, causal=causal, deterministic=deterministic),
-                                       leaves)
-            times[deterministic] = measure.time_cuda(fn, reps=reps)
-            del fn
+        makers = {deterministic: partial(peers.backward_runner, partial(api.attention, *leaves, causal=causal,
+                                                                          deterministic=deterministic), leaves)
+                  for deterministic in (False, True)}
+        times = measure.time_rounds(makers, reps=reps)
         result[f"deterministic_ratio_causal{int(causal)}"] = times[True] / times[False]
     batch, n, heads, d = PEAK_MEMORY_SHAPE
     q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
@@ -82,3 +82,29 @@ def host_overhead_us(fn: Callable[[], object], calls: int = 2000) -> float:
         elapsed += time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / (batches * HOST_TIMING_BATCH) * 1e6
+
+
+# A median of 30 runs still dips by up to ~8% now and then on the H200 (docs/notes.md, session six): comparisons
+# take each kernel's best median of this many rounds, every other round in reverse order, so that neither a dip
+# nor a place in the order decides a ratio.
+ROUNDS = 2
+
+
+def time_rounds(makers: dict[Hashable, Callable[[], Callable[[], object] | None]], reps: int = 30,
+                rounds: int = ROUNDS) -> dict[Hashable, float | None]:
+    """Best median milliseconds per name over `rounds` rounds of `time_cuda`, alternating the order.
+
+    `makers[name]()` builds the callable to time (None: the kernel does not run this case); it is built afresh
+    each round and dropped right after, so a backward runner's graph does not outlive its timing.
+    """
+    best: dict[Hashable, float | None] = dict.fromkeys(makers)
+    for round_ in range(rounds):
+        for name in (list(makers) if round_ % 2 == 0 else list(reversed(makers))):
+            fn = makers[name]()
+            if fn is None:
+                continue
+            ms = time_cuda(fn, reps=reps)
+            best[name] = ms if best[name] is None else min(best[name], ms)
+            del fn
+    return best
+

@@ -1,0 +1,42 @@
+"""The benchmark's timing rules that need no GPU: FLOP counts and the alternating best-of-rounds."""
+
+import pytest
+
+from flashtile.bench import measure
+
+
+def test_attention_flops_conventions():
+    full = measure.attention_flops(2, 3, 128, 256, 64)
+    assert full == 4 * 2 * 3 * 128 * 256 * 64
+    assert measure.attention_flops(2, 3, 128, 256, 64, causal=True) == full / 2
+    assert measure.attention_flops(2, 3, 128, 256, 64, backward=True) == full * 2.5
+
+
+def test_time_rounds_takes_each_kernels_best_median_and_alternates_the_order(monkeypatch):
+    medians = {"a": [3.0, 1.0], "b": [2.0, 5.0]}
+    timed, built = [], []
+
+    def fake_time_cuda(fn, reps):
+        name = fn()
+        timed.append(name)
+        return medians[name][sum(1 for n in timed if n == name) - 1]
+
+    def maker(name):
+        def build():
+            built.append(name)
+            return lambda: name
+        return build
+
+    monkeypatch.setattr(measure, "time_cuda", fake_time_cuda)
+    best = measure.time_rounds({"a": maker("a"), "b": maker("b"), "none": lambda: None}, rounds=2)
+    assert best == {"a": 1.0, "b": 2.0, "none": None}
+    assert timed == ["a", "b", "b", "a"]          # the second round runs in reverse order
+    assert built == ["a", "b", "b", "a"]          # every round builds its runner afresh
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_time_rounds_runs_every_kernel_once_per_round(monkeypatch, rounds):
+    calls = []
+    monkeypatch.setattr(measure, "time_cuda", lambda fn, reps: calls.append(fn()) or 1.0)
+    measure.time_rounds({k: (lambda k=k: lambda: k) for k in "xyz"}, rounds=rounds)
+    assert sorted(calls) == sorted("xyz" * rounds)
