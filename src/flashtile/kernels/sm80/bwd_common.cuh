@@ -197,6 +197,8 @@ __device__ __forceinline__ void store_tile(const elem_t* tile_smem, elem_t* dst,
 // blocks and most of them idle at the start; launched key block by key block (heads fastest), a wave holds
 // the first few key blocks of every head and the lag stays a few steps. A block still waits only for blocks
 // launched before it. The default mode keeps one head's blocks together: they share its Q and dO in L2.
+// sm90/bwd.cu and bwd_grid.cu use it; bwd.cu reads blockIdx as it is: held in registers, the two indices tip its
+// d128 tiles (at 255 registers) into spills.
 struct KeyBlock { int n_block, h_kv; };
 __device__ __forceinline__ KeyBlock key_block_of(const BwdParams& p) {
     if (p.dq_semaphore == nullptr) return {(int)blockIdx.x, (int)blockIdx.y};
