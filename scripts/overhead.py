@@ -5,7 +5,7 @@ import ctypes
 import torch
 
 import flashtile
-from flashtile import api, dispatch, ladder, launch
+from flashtile import api, dispatch, ladder, launch, tma
 from flashtile.bench import measure
 from flashtile.forward import FwdProblem
 
@@ -20,6 +20,9 @@ params = problem.params(o, lse)
 grid = (1, 2, 1)
 threads = dict(module.spec.defines)["FT_WARPS"] * 32
 smem = module.spec.smem_bytes
+extra = tma.kernel_argument(k, v, ladder.kv_box_rows(module.spec))
+# d128 runs rung 4 with K/V fed by the tensor memory accelerator on Hopper: its maps are encoded every call.
+q128, k128, v128 = (torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
 libcuda = ctypes.CDLL("libcuda.so.1")
 libcuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
@@ -29,7 +32,9 @@ func = int(kernel.function)
 
 def ctypes_launch():
     buffer = ctypes.create_string_buffer(launch.PARAMS_STRUCT.pack(*params))
-    argv = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+    maps = ctypes.create_string_buffer(extra, len(extra) + 64)
+    argv = (ctypes.c_void_p * 2)(ctypes.addressof(buffer), -(-ctypes.addressof(maps) // 64) * 64)
+    ctypes.memmove(argv[1], extra, len(extra))
     stream = torch._C._cuda_getCurrentRawStream(0)
     err = libcuda.cuLaunchKernel(func, *grid, threads, 1, 1, smem, stream, argv, None)
     assert err == 0
@@ -37,7 +42,9 @@ def ctypes_launch():
 
 rows = {
     "flashtile.attention (whole call)": lambda: flashtile.attention(q, k, v),
-    "launch.launch (cuda.bindings)": lambda: launch.launch(kernel, grid, threads, smem, params),
+    "flashtile.attention d128 (TMA maps every call)": lambda: flashtile.attention(q128, k128, v128),
+    "tma.kv_maps (two tensor maps)": lambda: tma.kv_maps(k128, v128, 64),
+    "launch.launch (cuda.bindings)": lambda: launch.launch(kernel, grid, threads, smem, params, extra=extra),
     "ctypes cuLaunchKernel": ctypes_launch,
     "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream(0).cuda_stream,
     "torch._C._cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
@@ -55,5 +62,5 @@ rows = {
 }
 for name, fn in rows.items():
     print(f"{name:<50} {measure.host_overhead_us(fn, calls=5000):7.2f} us")
-kernel_ms = measure.time_cuda(lambda: launch.launch(kernel, grid, threads, smem, params))
+kernel_ms = measure.time_cuda(lambda: launch.launch(kernel, grid, threads, smem, params, extra=extra))
 print(f"kernel alone (events, CUDA graph-free): {kernel_ms * 1e3:.1f} us")

@@ -14,9 +14,10 @@ from flashtile.bench import measure, peers
 from flashtile.forward import FwdProblem
 from flashtile.specs import KernelSpec
 
-CANDIDATES = {  # head_dim -> [(block_m, block_n, warps, stages, min_blocks[, wide])]; stages 1: K and V take turns
-    64: [(128, 64, 4, 2, 1), (128, 64, 4, 2, 1, 1), (128, 64, 4, 1, 1)],
-    128: [(128, 32, 4, 2, 1), (128, 64, 4, 2, 1), (128, 32, 4, 2, 1, 1)],
+# head_dim -> [(block_m, block_n, warps, stages, min_blocks[, wide[, tma]])]; stages 1: K and V take turns
+CANDIDATES = {
+    64: [(128, 64, 4, 2, 1), (128, 64, 4, 2, 1, 0, 1), (128, 64, 4, 1, 1)],
+    128: [(128, 32, 4, 2, 1), (128, 64, 4, 2, 1), (128, 64, 4, 2, 1, 0, 1)],
     256: [(128, 64, 8, 2, 1), (64, 64, 4, 1, 2), (64, 64, 4, 1, 2, 1), (128, 64, 8, 1, 1)],
 }
 # Taking turns (one K and one V buffer) halves the ring's shared memory: at d256 a 64 x 64 tile then needs 96 KB
@@ -25,12 +26,10 @@ CANDIDATES = {  # head_dim -> [(block_m, block_n, warps, stages, min_blocks[, wi
 SEQLENS = (1024, 4096, 16384)
 
 
-def spec_of(d, bm, bn, warps, stages, min_blocks, wide=0):
-    defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", d), ("FT_BLOCK_M", bm), ("FT_BLOCK_N", bn), ("FT_WARPS", warps),
-               ("FT_STAGES", stages), ("FT_MIN_BLOCKS", min_blocks), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0),
-               ("FT_WIDE_BLOCKS", wide))
-    smem = (bm * d + stages * bn * 2 * d) * 2
-    return KernelSpec("sm80/fwd.cu", ("attn_fwd",), "bf16", "sm_90a", defines, smem)
+def spec_of(d, bm, bn, warps, stages, min_blocks, wide=0, tma=0):
+    tile = specs.Tile(bm, bn, warps, stages, min_blocks, "candidate", bool(wide), bool(tma))
+    return KernelSpec(specs.PIPELINED_SOURCE, ("attn_fwd",), "bf16", "sm_90a", specs.fwd_defines(d, d, tile),
+                      specs.fwd_smem(d, d, tile))
 
 
 def main(dims):

@@ -94,3 +94,20 @@ def test_plan_signature_covers_tensors_and_options():
     assert key != api._signature(q.transpose(1, 2), q, q, (False, None, (-1, -1)))
     assert api._signature(q, q, q, (False, None, [-1, -1])) is None
     assert api._signature(q.numpy(), q, q, (False, None, (-1, -1))) is None
+
+
+def test_kernel_ready_copies_only_what_the_kernels_cannot_read():
+    """16-byte loads need aligned rows; tensor maps (Hopper's K/V loads) need a positive stride wherever a
+    dimension has more than one index. Everything else reaches the kernels as it is, without a copy."""
+    from flashtile import dispatch
+
+    base = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
+    assert dispatch.kernel_ready(base) is base
+    strided = torch.randn(1, 8, 4, 16, dtype=torch.bfloat16)[:, :, ::2]  # every other head: still aligned
+    assert dispatch.kernel_ready(strided) is strided
+    broadcast = base.expand(3, -1, -1, -1)                               # batch stride 0
+    ready = dispatch.kernel_ready(broadcast)
+    assert ready is not broadcast and ready.stride(0) > 0 and torch.equal(ready, broadcast)
+    shifted = torch.randn(1, 8, 2, 17, dtype=torch.bfloat16)[..., 1:]    # base 2 bytes past alignment
+    ready = dispatch.kernel_ready(shifted)
+    assert ready.data_ptr() % 16 == 0 and torch.equal(ready, shifted)

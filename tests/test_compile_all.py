@@ -65,3 +65,23 @@ def test_backward_kernel_choice(arch, d, dv, mods, source):
     spec = specs.bwd_spec("bf16", d, dv, arch, **mods)
     assert spec.source == source
     assert spec.arch == arch
+
+
+@pytest.mark.parametrize("arch, d, dv, mods, tma", [
+    ("sm_90a", 128, 128, {}, True),
+    ("sm_90a", 120, 64, {}, True),                   # padded to 128: the maps zero-fill the rest
+    ("sm_90a", 64, 64, {}, True),
+    ("sm_90a", 256, 256, {}, False),                 # K and V take turns in one buffer each: cp.async
+    ("sm_90a", 128, 128, {"softcap": True}, False),
+    ("sm_80", 128, 128, {}, False),                  # no tensor memory accelerator before Hopper
+])
+def test_forward_kv_loads(arch, d, dv, mods, tma):
+    """The forward's K/V ring is fed by TMA on Hopper's d128 tile and by cp.async everywhere else; the TMA
+    build takes the tensor maps as a second argument and the others empty ones."""
+    from flashtile import ladder
+
+    spec = specs.fwd_spec("bf16", d, dv, arch, **mods)
+    assert dict(spec.defines)["FT_TMA_KV"] == int(tma)
+    assert ladder.kv_box_rows(spec) == (dict(spec.defines)["FT_BLOCK_N"] if tma else 0)
+    assert ladder.kv_box_rows(specs.mma_spec("bf16", 64, arch)) is None
+

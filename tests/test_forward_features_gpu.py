@@ -77,6 +77,21 @@ def test_strided_views_of_a_packed_qkv(poisoned_outputs):
     assert compare(q, k, v, out, lse, causal=True).ok
 
 
+@pytest.mark.parametrize("d,dv", [(104, 104), (120, 64), (128, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kv_through_tensor_maps(d, dv, causal, poisoned_outputs):
+    """On Hopper the d128 build loads K and V through tensor maps (tma.py): head dims short of the padded 128
+    (the maps zero-fill the columns past them), K and V broadcast over the batch with stride 0 (copied first:
+    a map cannot describe them), GQA, and key rows that end inside a tile."""
+    torch.manual_seed(d + dv + causal)
+    q = torch.randn(3, 1000, 4, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 777, 2, d, device="cuda", dtype=torch.bfloat16).expand(3, -1, -1, -1)
+    v = torch.randn(1, 777, 2, dv, device="cuda", dtype=torch.bfloat16).expand(3, -1, -1, -1)
+    out, lse = flashtile.attention(q, k, v, causal=causal, return_lse=True)
+    result = compare(q, k, v, out, lse, causal=causal)
+    assert result.ok, result
+
+
 def test_more_than_2_to_the_31_elements(poisoned_outputs):
     """q and out hold > 2^31 elements: every offset must be 64-bit."""
     sq, hq, d = (2**31 // (16 * 64)) + 1000, 16, 64

@@ -44,3 +44,17 @@ def test_launch_enters_the_kernels_device(recorded, device):
     launch.launch(kernel, (1, 1, 1), 32, 0, launch.param_values())
     assert recorded["launched_on"] == [device]
     assert recorded["current"] == 0  # the caller's current device is back
+
+
+def test_a_missing_or_extra_second_argument_is_refused(recorded):
+    """The pipelined forward takes its tensor maps as a second argument; launching it without them (or another
+    kernel with them) would hand the driver the wrong argument list: a clear error instead."""
+    maps_kernel = launch.LoadedKernel(function=object(), device=0, max_dynamic_smem=1 << 20,
+                                      extra_bytes=launch.EXTRA_BYTES)
+    plain_kernel = launch.LoadedKernel(function=object(), device=0, max_dynamic_smem=1 << 20)
+    with pytest.raises(ValueError, match="second argument of 256 bytes"):
+        launch.launch(maps_kernel, (1, 1, 1), 32, 0, launch.param_values())
+    with pytest.raises(ValueError, match="second argument of 0 bytes"):
+        launch.launch(plain_kernel, (1, 1, 1), 32, 0, launch.param_values(), extra=bytes(256))
+    launch.launch(maps_kernel, (1, 1, 1), 32, 0, launch.param_values(), extra=bytes(256))
+    assert recorded["launched_on"] == [0]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import ladder, launch
+from . import ladder, launch, tma
 from .forward import FwdProblem
 
 HEAD_DIM_MULTIPLE = 8        # GPU kernels load 16 bytes at a time: head dims are padded to a multiple of 8
@@ -19,12 +19,15 @@ ALIGN_BYTES = 16
 
 
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """Make 16-byte vector loads legal: head dim a multiple of 8 (zero padding), aligned base and strides."""
+    """Make 16-byte vector loads legal: head dim a multiple of 8 (zero padding), aligned base and strides;
+    and every dimension describable by a tensor map (tma.py): none broadcast with a zero stride."""
     if t.shape[-1] % HEAD_DIM_MULTIPLE:
         return F.pad(t, (0, -t.shape[-1] % HEAD_DIM_MULTIPLE))  # a fresh, contiguous, aligned tensor
     strides = t.stride()
     any_stride = strides[0] | strides[1] | (strides[2] if len(strides) == 4 else 0)
     if (any_stride * t.element_size() | t.data_ptr()) % ALIGN_BYTES:  # some stride or the base is misaligned
+        return t.clone(memory_format=torch.contiguous_format)
+    if 0 in strides[:-1] and any(s == 0 and n > 1 for n, s in zip(t.shape[:-1], strides[:-1])):
         return t.clone(memory_format=torch.contiguous_format)
     return t
 
@@ -77,6 +80,7 @@ class LaunchPlan:
     out_shape: tuple[int, ...] | None   # None: the output is torch.empty_like(q)
     lse_shape: tuple[int, ...] | None   # None: no LSE wanted
     tail: tuple                         # the params after the address fields
+    kv_box_rows: int | None             # the kernel's second argument (ladder.kv_box_rows)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(out, lse), or None when an address breaks 16-byte alignment (the full path copies then)."""
@@ -86,7 +90,8 @@ class LaunchPlan:
         o = torch.empty_like(q) if self.out_shape is None else q.new_empty(self.out_shape)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         launch.launch(self.kernel, self.grid, self.threads, self.smem,
-                      (qp, kp, vp, o.data_ptr(), 0 if lse is None else lse.data_ptr(), 0, 0, 0, 0) + self.tail)
+                      (qp, kp, vp, o.data_ptr(), 0 if lse is None else lse.data_ptr(), 0, 0, 0, 0) + self.tail,
+                      extra=tma.kernel_argument(k, v, self.kv_box_rows))
         return o, lse
 
 
@@ -99,4 +104,5 @@ def plan_for(problem: FwdProblem, rung) -> LaunchPlan | None:
     entry, grid, threads, smem = chosen.geometry(problem, module)
     same_dims = problem.head_dim == problem.head_dim_v
     return LaunchPlan(module.kernels[entry], grid, threads, smem, None if same_dims else tuple(o.shape),
-                      None if lse is None else tuple(lse.shape), problem.params(o, lse)[ADDRESS_FIELDS:])
+                      None if lse is None else tuple(lse.shape), problem.params(o, lse)[ADDRESS_FIELDS:],
+                      ladder.kv_box_rows(module.spec))

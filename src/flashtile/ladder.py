@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from . import launch, specs
+from . import launch, specs, tma
 from .forward import FwdProblem
 
 THREADS_NAIVE = 256      # r0_naive.cu kThreadsPerBlock
@@ -118,11 +118,22 @@ def _pipelined_geometry(problem: FwdProblem, module: launch.LoadedModule):
     return _grid_geometry("attn_fwd", defines["FT_BLOCK_M"], defines["FT_WARPS"] * WARP)(problem, module)
 
 
+@functools.cache
+def kv_box_rows(spec: specs.KernelSpec) -> int | None:
+    """What the pipelined kernel takes beside its params (tma.kernel_argument): None for the other kernels,
+    0 for builds that load K/V with cp.async, else the rows of a K/V box for the tensor memory accelerator."""
+    if spec.source != specs.PIPELINED_SOURCE:
+        return None
+    defines = dict(spec.defines)
+    return defines["FT_BLOCK_N"] if defines["FT_TMA_KV"] else 0
+
+
 def _one_kernel(geometry):
     def launch_it(problem: FwdProblem, module: launch.LoadedModule):
         o, lse = problem.empty_outputs()
         entry, grid, threads, smem = geometry(problem, module)
-        launch.launch(module.kernels[entry], grid, threads, smem, problem.params(o, lse))
+        launch.launch(module.kernels[entry], grid, threads, smem, problem.params(o, lse),
+                      extra=tma.kernel_argument(problem.k, problem.v, kv_box_rows(module.spec)))
         return o, lse
     return launch_it
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import jit
-from .specs import KernelSpec
+from .specs import PIPELINED_SOURCE, KernelSpec
 
 # (field, struct format) in the exact order of `struct AttnParams` in kernels/common/params.cuh.
 # Q = pointer, q = int64, i = int32, f = float32. tests/test_jit.py checks every offset against NVRTC.
@@ -78,6 +78,7 @@ class LoadedKernel:
     function: object          # driver.CUfunction bound to the device's primary context
     device: int
     max_dynamic_smem: int = 0  # the largest dynamic shared memory this function is cleared to use
+    extra_bytes: int = 0       # the size of its second argument (0: it takes only the params struct)
 
 
 @dataclass
@@ -119,18 +120,28 @@ def load(spec: KernelSpec, device: int) -> LoadedModule:
             handle = code.get_kernel(entry).handle
             if not isinstance(handle, driver.CUfunction):  # a library kernel: take its function in this context
                 handle = _check(driver.cuKernelGetFunction(handle), f"cuKernelGetFunction({entry})")
-            kernels[entry] = LoadedKernel(handle, device)
+            extra = EXTRA_BYTES if spec.source == PIPELINED_SOURCE else 0
+            kernels[entry] = LoadedKernel(handle, device, extra_bytes=extra)
     loaded = _loaded[key] = LoadedModule(spec, code, kernels)
     return loaded
 
 
+EXTRA_BYTES = 256   # the largest second argument: the forward's KvMaps (two 128-byte tensor maps)
+EXTRA_ALIGN = 64    # a tensor map's alignment
+
+
 class _ParamsBuffer(threading.local):
-    """Per-thread home of the params struct while the driver reads it (cuLaunchKernel copies it at once)."""
+    """Per-thread home of the params struct (and a second argument, for the kernels that take one) while the
+    driver reads them (cuLaunchKernel copies them at once)."""
 
     def __init__(self):
         self.buffer = ctypes.create_string_buffer(max(PARAMS_STRUCT.size, BWD_PARAMS_STRUCT.size))
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buffer))  # void** kernelParams: one argument
         self.argv_address = ctypes.addressof(self.argv)
+        self._extra = ctypes.create_string_buffer(EXTRA_BYTES + EXTRA_ALIGN)
+        self.extra_address = -(-ctypes.addressof(self._extra) // EXTRA_ALIGN) * EXTRA_ALIGN
+        self.argv2 = (ctypes.c_void_p * 2)(ctypes.addressof(self.buffer), self.extra_address)
+        self.argv2_address = ctypes.addressof(self.argv2)
 
 
 _params_buffer = _ParamsBuffer()
@@ -138,11 +149,12 @@ _SAME_DEVICE = contextlib.nullcontext()
 
 
 def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int, params: tuple,
-           layout: struct.Struct = PARAMS_STRUCT) -> None:
-    """Queue `kernel<<<grid, block, smem, current stream>>>(AttnParams{params...})`.
+           layout: struct.Struct = PARAMS_STRUCT, extra: bytes | None = None) -> None:
+    """Queue `kernel<<<grid, block, smem, current stream>>>(AttnParams{params...}[, extra])`.
 
     `params` are the struct's field values in PARAM_FIELDS order (FwdProblem.params builds them); the
-    backward kernels take BWD_PARAMS_STRUCT and BWD_PARAM_FIELDS.
+    backward kernels take BWD_PARAMS_STRUCT and BWD_PARAM_FIELDS. `extra` is the raw bytes of a second
+    argument (the forward's tensor maps, flashtile/tma.py).
     """
     from cuda.bindings import driver
 
@@ -151,14 +163,21 @@ def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: i
             kernel.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
             "setting the dynamic shared-memory limit")
         kernel.max_dynamic_smem = smem
+    if (len(extra) if extra is not None else 0) != kernel.extra_bytes:
+        raise ValueError(f"this kernel takes a second argument of {kernel.extra_bytes} bytes; "
+                         f"got {None if extra is None else len(extra)}")
     args = _params_buffer
     layout.pack_into(args.buffer, 0, *params)
+    argv = args.argv_address
+    if extra is not None:
+        ctypes.memmove(args.extra_address, extra, len(extra))
+        argv = args.argv2_address
     # The driver launches into the calling thread's current context: it must be the primary context of the
     # kernel's (and the tensors') device, which torch makes current when that device is its current one.
     switch = _SAME_DEVICE if kernel.device == torch.cuda.current_device() else torch.cuda.device(kernel.device)
     with switch:
         _check(driver.cuLaunchKernel(kernel.function, *grid, block, 1, 1, smem, _current_stream(kernel.device),
-                                     args.argv_address, 0), "cuLaunchKernel")
+                                     argv, 0), "cuLaunchKernel")
 
 
 def _current_stream(device: int) -> int:

@@ -120,6 +120,7 @@ class Tile:
     min_blocks: int   # __launch_bounds__ minimum blocks per SM: caps registers at 64K / (threads * this)
     why: str
     wide: bool = False  # 128-byte swizzle blocks (common/tile.cuh): one wavefront per cp.async phase, +6 registers
+    tma: bool = False   # sm_90: the tensor memory accelerator feeds the K/V ring (common/tma.cuh, flashtile/tma.py)
 
 
 # Shared memory a block may use: sm_80 163 KB, sm_86/sm_89 99 KB, sm_90 227 KB (CUDA guide, table 24).
@@ -139,7 +140,11 @@ FWD_TILES_LARGE_SMEM = {
 }
 # Hopper-only rows: ptxas for sm_90a fits these without spills.
 FWD_TILES_SM90 = {
-    128: Tile(128, 64, 4, 2, 1, "FA2's tile: 370/353 against 353/323 for 128 x 32; 255 regs, no spills on sm_90a"),
+    64: Tile(128, 64, 4, 2, 1, "as FWD_TILES_LARGE_SMEM, K/V by TMA: n1k/4k/16k 308/237, 339/305, 347/332 "
+                               "against 301/228, 326/295, 332/319 with cp.async", tma=True),
+    128: Tile(128, 64, 4, 2, 1, "FA2's tile (255 regs, no spills on sm_90a), K/V by TMA: n1k/4k/16k 383/288, 407/363, "
+                                "408/393 against 350/264, 378/330, 376/359 with cp.async, whose 16 copies per thread "
+                                "and tile had cost ~20% (the loop without loads ran 445); 128 x 32: 356/328", tma=True),
     256: Tile(64, 64, 4, 1, 2, "K and V take turns in one buffer each (FA2's d256 schedule): 96 KB, two blocks "
                                "per SM; 128-byte swizzle blocks. Same run, n1k/4k/16k non-causal, causal: 298 252, "
                                "321 288, 323 327 against 274 227, 294 263, 299 288 with 64-byte blocks (whose "
@@ -167,15 +172,29 @@ def fwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> Tile:
     return FWD_TILES_LARGE_SMEM[head_dim]
 
 
+PIPELINED_SOURCE = "sm80/fwd.cu"
+MBARRIER_BYTES = 8
+
+
+def fwd_smem(d: int, dv: int, tile: Tile) -> int:
+    """Q (later O), the K/V stages, and one mbarrier per stage (used when TMA feeds the ring)."""
+    tiles = tile.block_m * max(d, dv) + tile.stages * tile.block_n * (d + dv)
+    return tiles * ELEM_BYTES + tile.stages * MBARRIER_BYTES
+
+
+def fwd_defines(d: int, dv: int, tile: Tile, softcap: bool = False, alibi: bool = False) -> tuple:
+    return (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", tile.block_m), ("FT_BLOCK_N", tile.block_n),
+            ("FT_WARPS", tile.warps), ("FT_STAGES", tile.stages), ("FT_MIN_BLOCKS", tile.min_blocks),
+            ("FT_SOFTCAP", int(softcap)), ("FT_ALIBI", int(alibi)), ("FT_WIDE_BLOCKS", int(tile.wide)),
+            ("FT_TMA_KV", int(tile.tma)))
+
+
 def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,
              alibi: bool = False) -> KernelSpec:
     d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
     tile = fwd_tile(max(d, dv), arch, softcap or alibi)
-    smem = (tile.block_m * max(d, dv) + tile.stages * tile.block_n * (d + dv)) * ELEM_BYTES
-    defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", tile.block_m), ("FT_BLOCK_N", tile.block_n),
-               ("FT_WARPS", tile.warps), ("FT_STAGES", tile.stages), ("FT_MIN_BLOCKS", tile.min_blocks),
-               ("FT_SOFTCAP", int(softcap)), ("FT_ALIBI", int(alibi)), ("FT_WIDE_BLOCKS", int(tile.wide)))
-    return KernelSpec("sm80/fwd.cu", ("attn_fwd",), dtype, arch, defines, smem)
+    return KernelSpec(PIPELINED_SOURCE, ("attn_fwd",), dtype, arch, fwd_defines(d, dv, tile, softcap, alibi),
+                      fwd_smem(d, dv, tile))
 
 
 # ---------------------------------------------------------------------------------------------------

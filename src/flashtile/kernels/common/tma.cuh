@@ -1,0 +1,42 @@
+// tma.cuh — Hopper's tensor memory accelerator (sm_90): whole tiles copied global -> shared by one thread.
+//
+// A tensor map (CUtensorMap in cuda.h; flashtile/tma.py encodes it with cuTensorMapEncodeTiled) describes a
+// 4-D view of a global tensor and a box; one `cp.async.bulk.tensor` instruction copies one box into shared
+// memory, zero-filling whatever lies outside the tensor. Completion is counted in bytes on an mbarrier: the
+// thread that issues the copies announces the byte count (arrive.expect_tx), the copy engine counts the
+// bytes down as they land, and the barrier's phase flips when both are done. Waiting threads then see the
+// data (the wait acquires it). Maps reach the kernel as a __grid_constant__ parameter, where the copy engine
+// reads them.
+//
+// The 64-byte swizzle mode of a map writes exactly common/tile.cuh's narrow layout: a box 32 elements (64
+// bytes) wide is one column block, and chunk c of row r lands in slot c ^ ((r >> 1) & 3). The pattern
+// repeats every 512 bytes, so a box's destination must be 512-byte aligned.
+#pragma once
+#include "numeric.cuh"
+
+struct alignas(64) TensorMap { unsigned long long opaque[16]; };
+struct KvMaps { TensorMap k, v; };  // the forward's second parameter: K and V as (dim, rows, heads, batch)
+
+constexpr int kMbarrierBytes = 8;
+constexpr int kSwizzle64Period = 512;
+
+__device__ __forceinline__ void mbarrier_init(u32 bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(arrivals) : "memory");
+}
+// Makes initialised mbarriers visible to the copy engine (the async proxy) before any copy names them.
+__device__ __forceinline__ void mbarrier_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+// Blocks until the barrier has completed the phase of the given parity (0, 1, 0, ... for its successive uses).
+__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
+    asm volatile("{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 " @!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// One box of a 4-D map at coordinates (c0 innermost .. c3) into shared memory at `dst`; bytes count on `bar`.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, int c0, int c1, int c2, int c3, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+                 :: "r"(dst), "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}

@@ -1,0 +1,83 @@
+"""Tensor maps for Hopper's tensor memory accelerator: how rung 4 feeds its K/V ring on sm_90.
+
+A tensor map (CUtensorMap) describes a strided global tensor and a box; the kernel (kernels/common/tma.cuh)
+copies whole boxes into shared memory with one instruction. The forward's maps view K and V as 4-D tensors
+(head dim, rows, kv heads, batch) — varlen packs every sequence along the rows of one batch entry — with boxes
+of 32 columns (64 bytes, one swizzle block of common/tile.cuh) by block_n rows, in the 64-byte swizzle mode
+that writes exactly the layout the kernel's ldmatrix addressing reads. A map holds the tensor's address;
+encoding one (cuTensorMapEncodeTiled through cuda.bindings) costs ~11 us of host time on the H200's host, so
+maps are kept by address, shape, strides and dtype: the same memory seen the same way is described by the
+same map, and a repeated call (a benchmark, a static KV buffer, the caching allocator handing back a block)
+pays a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+MAP_BYTES = 128            # sizeof(CUtensorMap)
+BOX_COLUMNS = 32           # one 64-byte swizzle block of 16-bit elements
+NO_MAPS = bytes(2 * MAP_BYTES)  # the kernel's KvMaps parameter when its build loads K/V with cp.async
+MAX_KEPT_MAPS = 1024
+
+_kept: dict[tuple, bytes] = {}
+
+_driver = None
+
+
+def _cuda():
+    global _driver
+    if _driver is None:
+        from cuda.bindings import driver
+        _driver = driver
+    return _driver
+
+
+def _encode(t: torch.Tensor, block_n: int) -> bytes:
+    d = _cuda()
+    elem = t.element_size()
+    if t.dim() == 3:  # varlen (total, heads, dim): one batch entry
+        shape, strides = (t.shape[0], t.shape[1], 1), (t.stride(0), t.stride(1), 0)
+    else:             # (batch, rows, heads, dim) -> rows, heads, batch
+        shape, strides = (t.shape[1], t.shape[2], t.shape[0]), (t.stride(1), t.stride(2), t.stride(0))
+    # A dimension of one index never moves: give it any legal stride (a multiple of 16 bytes below 2^40).
+    span = -(-t.numel() * elem // 16) * 16
+    byte_strides = [d.cuuint64_t(s * elem if n > 1 else span) for n, s in zip(shape, strides)]
+    dtype = (d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
+             else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    err, tmap = d.cuTensorMapEncodeTiled(
+        dtype, 4, t.data_ptr(), [d.cuuint64_t(t.shape[-1])] + [d.cuuint64_t(n) for n in shape], byte_strides,
+        [d.cuuint32_t(BOX_COLUMNS), d.cuuint32_t(block_n), d.cuuint32_t(1), d.cuuint32_t(1)], [d.cuuint32_t(1)] * 4,
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != d.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for a tensor of shape {tuple(t.shape)}, "
+                           f"strides {t.stride()}")
+    return ctypes.string_at(tmap.getPtr(), MAP_BYTES)
+
+
+def _map(t: torch.Tensor, block_n: int) -> bytes:
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, block_n)
+    encoded = _kept.get(key)
+    if encoded is None:
+        if len(_kept) >= MAX_KEPT_MAPS:
+            _kept.clear()
+        encoded = _kept[key] = _encode(t, block_n)
+    return encoded
+
+
+def kv_maps(k: torch.Tensor, v: torch.Tensor, block_n: int) -> bytes:
+    """The forward kernel's KvMaps parameter: K's map, then V's (kernels/common/tma.cuh)."""
+    return _map(k, block_n) + _map(v, block_n)
+
+
+def kernel_argument(k: torch.Tensor, v: torch.Tensor, box_rows: int | None) -> bytes | None:
+    """The forward kernel's second argument (ladder.kv_box_rows says which): None for kernels that take one
+    argument, empty maps for builds that load K/V with cp.async (box_rows 0), else K's and V's maps."""
+    if box_rows is None:
+        return None
+    return kv_maps(k, v, box_rows) if box_rows else NO_MAPS
+
