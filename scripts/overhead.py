@@ -1,66 +1,100 @@
-"""Where the host time of one small flashtile.attention call goes: each piece timed alone, warm."""
+"""Host time per call of a small attention, flashtile beside sdpa-flash in one process, as training and
+inference call it; then where flashtile's time goes, piece by piece. Usage: overhead.py [--out DIR]
+(writes DIR/results/overhead.json)."""
 
-import ctypes
+import argparse
+import json
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
-from flashtile import api, dispatch, ladder, launch, tma
+from flashtile import api, dispatch, launch, registry, tma
 from flashtile.bench import measure
+from flashtile.bench.system import describe
 from flashtile.forward import FwdProblem
 
-
-q, k, v = (torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-problem = FwdProblem(q, k, v, 0.125, (-1, -1))
-rung = ladder.best_for(problem)
-module = ladder.module_for(rung, problem)
-kernel = module.kernels["attn_fwd"]
-o, lse = problem.empty_outputs()
-params = problem.params(o, lse)
-grid = (1, 2, 1)
-threads = dict(module.spec.defines)["FT_WARPS"] * 32
-smem = module.spec.smem_bytes
-extra = tma.kernel_argument(k, v, ladder.kv_box_rows(module.spec))
-# d128 runs rung 4 with K/V fed by the tensor memory accelerator on Hopper: its maps are encoded every call.
-q128, k128, v128 = (torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-
-libcuda = ctypes.CDLL("libcuda.so.1")
-libcuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-libcuda.cuLaunchKernel.restype = ctypes.c_int
-func = int(kernel.function)
+SHAPE = (1, 128, 8, 64)  # (batch, seqlen, heads, head_dim): the GPU time is negligible, the host's is all
+CALLS = 2000
 
 
-def ctypes_launch():
-    buffer = ctypes.create_string_buffer(launch.PARAMS_STRUCT.pack(*params))
-    maps = ctypes.create_string_buffer(extra, len(extra) + 64)
-    argv = (ctypes.c_void_p * 2)(ctypes.addressof(buffer), -(-ctypes.addressof(maps) // 64) * 64)
-    ctypes.memmove(argv[1], extra, len(extra))
-    stream = torch._C._cuda_getCurrentRawStream(0)
-    err = libcuda.cuLaunchKernel(func, *grid, threads, 1, 1, smem, stream, argv, None)
-    assert err == 0
+def _leaves(requires_grad: bool):
+    return [torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad) for _ in range(3)]
 
 
-rows = {
-    "flashtile.attention (whole call)": lambda: flashtile.attention(q, k, v),
-    "flashtile.attention d128 (TMA maps every call)": lambda: flashtile.attention(q128, k128, v128),
-    "tma.kv_maps (two tensor maps)": lambda: tma.kv_maps(k128, v128, 64),
-    "launch.launch (cuda.bindings)": lambda: launch.launch(kernel, grid, threads, smem, params, extra=extra),
-    "ctypes cuLaunchKernel": ctypes_launch,
-    "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream(0).cuda_stream,
-    "torch._C._cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
-    "torch.cuda.current_device (launch's device check)": torch.cuda.current_device,
-    "problem.params": lambda: problem.params(o, lse),
-    "problem.empty_outputs": problem.empty_outputs,
-    "new_empty": lambda: q.new_empty(1, 64, 2, 64),
-    "argument checks": lambda: (api._check_tensor("q", q, 4, ""), api._check_tensor("k", k, 4, ""),
-                                api._check_tensor("v", v, 4, ""), api._check_family(q, k, v),
-                                api._check_options(q, None, (-1, -1), 0.0, None, 1)),
-    "_kernel_ready x3": lambda: (dispatch.kernel_ready(q), dispatch.kernel_ready(k), dispatch.kernel_ready(v)),
-    "best_for": lambda: ladder.best_for(problem),
-    "module_for": lambda: ladder.module_for(rung, problem),
-    "torch.add (a small torch op)": lambda: torch.add(q, q),
-}
-for name, fn in rows.items():
-    print(f"{name:<50} {measure.host_overhead_us(fn, calls=5000):7.2f} us")
-kernel_ms = measure.time_cuda(lambda: launch.launch(kernel, grid, threads, smem, params, extra=extra))
-print(f"kernel alone (events, CUDA graph-free): {kernel_ms * 1e3:.1f} us")
+def per_call_table() -> dict:
+    """Wall microseconds per call: forward with inputs that require grad, forward + backward, forward under
+    no_grad; flashtile and sdpa-flash on the same inputs."""
+    q, k, v = _leaves(True)
+    dout = torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16)
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    doutt = dout.transpose(1, 2)
+
+    def ours():
+        return flashtile.attention(q, k, v, causal=True)
+
+    def theirs():
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    def ours_no_grad():
+        with torch.no_grad():
+            return ours()
+
+    def theirs_no_grad():
+        with torch.no_grad():
+            return theirs()
+
+    rows = {}
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for name, fns in (("forward, inputs require grad", (ours, theirs)),
+                          ("forward + backward", (lambda: ours().backward(dout), lambda: theirs().backward(doutt))),
+                          ("forward under no_grad", (ours_no_grad, theirs_no_grad))):
+            rows[name] = {label: measure.host_overhead_us(fn, calls=CALLS)
+                          for label, fn in zip(("flashtile", "sdpa-flash"), fns)}
+    return rows
+
+
+def pieces() -> dict:
+    """Each piece of flashtile's inference call timed alone, warm (the kernel of a TMA build: d128)."""
+    q, k, v = (torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    problem = FwdProblem(q, k, v, 0.125, (-1, -1))
+    family, spec = registry.choose(dispatch.variant_of(problem, "fwd"))
+    module = launch.load(spec, 0)
+    plan = family.plan(problem, module)
+    key = api._signature(q, k, v, (False, None, (-1, -1), 0.0, False, False, "auto"))
+    return {
+        "flashtile.attention, no_grad (whole call)": lambda: flashtile.attention(q, k, v),
+        "api._signature": lambda: api._signature(q, k, v, (False, None, (-1, -1), 0.0, False, False, "auto")),
+        "the call cache's lookup": lambda: api._calls.get(key),
+        "FwdPlan.run (allocate, pack, launch)": lambda: plan.run(q, k, v),
+        "tma.kv_maps (two kept tensor maps)": lambda: tma.kv_maps(k, v, 64),
+        "torch.empty_like": lambda: torch.empty_like(q),
+        "torch.add (a small torch op)": lambda: torch.add(q, q),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", help="docs folder: results/overhead.json is written there")
+    args = parser.parse_args()
+    table = per_call_table()
+    print(f"wall us per call, {'x'.join(map(str, SHAPE))} bf16 causal (batch x seqlen x heads x head_dim)")
+    print(f"{'call':<32} {'flashtile':>10} {'sdpa-flash':>11}")
+    for name, row in table.items():
+        print(f"{name:<32} {row['flashtile']:>10.1f} {row['sdpa-flash']:>11.1f}")
+    print()
+    parts = {name: measure.host_overhead_us(fn, calls=CALLS) for name, fn in pieces().items()}
+    for name, us in parts.items():
+        print(f"{name:<45} {us:7.2f} us")
+    if args.out:
+        path = Path(args.out) / "results" / "overhead.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"shape": SHAPE, "dtype": "bf16", "causal": True, "per_call_us": table,
+                                    "pieces_us": parts, "system": describe()}, indent=1))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

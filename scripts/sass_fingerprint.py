@@ -2,7 +2,7 @@
 
 Usage: python scripts/sass_fingerprint.py [kernel source ...] > before.txt, make the change, run it again into
 after.txt, and `diff before.txt after.txt`. Sources are paths under kernels/ (e.g. sm80/bwd.cu); without one,
-every spec of specs.all_specs. No GPU is needed: NVRTC compiles each spec for every architecture the tests
+every spec of registry.all_specs. No GPU is needed: NVRTC compiles each spec for every architecture the tests
 cover and cuobjdump (pip install nvidia-cuda-cuobjdump, or CUDA's own on PATH) disassembles it. Identical
 fingerprints mean identical SASS, so the H200 evidence gathered on the code before the change still holds —
 a refactor of a kernel proved this way needs no GPU time.
@@ -17,7 +17,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from flashtile import jit, specs
+from flashtile import jit, registry, specs
 
 
 def cuobjdump() -> str:
@@ -44,7 +44,7 @@ def fingerprint(spec: specs.KernelSpec, tool: str) -> str:
 
 
 def main(sources: list[str]) -> None:
-    todo = [spec for arch in specs.TEST_ARCHS for spec in specs.all_specs(arch)
+    todo = [spec for arch in specs.TEST_ARCHS for spec in registry.all_specs(arch)
             if not sources or spec.source in sources]
     tool = cuobjdump()
     with ProcessPoolExecutor(os.cpu_count()) as pool:

@@ -2,44 +2,33 @@ import math
 
 import pytest
 
-from flashtile import api
-from flashtile.forward import FwdProblem
+from flashtile import plans
 
 
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
     """Every output buffer a kernel writes starts as NaN, so an element the kernel forgets fails the test."""
-    original = FwdProblem.empty_outputs
+    original = plans.empty_outputs
 
-    def poisoned(self):
-        o, lse = original(self)
+    def poisoned(*args):
+        o, lse = original(*args)
         o.fill_(math.nan)
         if lse is not None:
             lse.fill_(math.nan)
         return o, lse
 
-    monkeypatch.setattr(FwdProblem, "empty_outputs", poisoned)
-    monkeypatch.setattr(api, "_plans", _NoPlans())  # cached launch plans allocate without poisoning
-
-
-class _NoPlans(dict):
-    """A plan cache that keeps nothing: every call takes the full path."""
-
-    def __setitem__(self, key, value):
-        pass
+    monkeypatch.setattr(plans, "empty_outputs", poisoned)
 
 
 @pytest.fixture
 def poisoned_grads(monkeypatch):
     """The same for the gradient buffers of the backward kernels."""
-    from flashtile import backward
-
-    original = backward.empty_grads
+    original = plans.empty_grads
 
     def poisoned(*tensors):
         return tuple(g.fill_(math.nan) for g in original(*tensors))
 
-    monkeypatch.setattr(backward, "empty_grads", poisoned)
+    monkeypatch.setattr(plans, "empty_grads", poisoned)
 
 
 @pytest.fixture

@@ -18,15 +18,15 @@ def test_check_passes_and_covers_the_backward(capsys):
 
 def test_check_reports_a_wrong_gradient(monkeypatch, capsys):
     """A backward that returns wrong gradients makes `check` fail (the check can fail)."""
-    from flashtile import ops
+    from flashtile import dispatch
 
-    original = ops.backward_op
+    original = dispatch.backward
 
     def skewed(*args):
         dq, dk, dv = original(*args)
         return dq * 1.01, dk, dv
 
-    monkeypatch.setattr(ops, "backward_op", skewed)
+    monkeypatch.setattr(dispatch, "backward", skewed)
     assert cli.main(["check"]) == 1
     assert "FAIL backward" in capsys.readouterr().out
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from flashtile import jit, specs
+from flashtile import jit, registry, specs
 
-CASES = [spec for arch in specs.TEST_ARCHS for spec in specs.all_specs(arch)]
+CASES = [spec for arch in specs.TEST_ARCHS for spec in registry.all_specs(arch)]
 
 
 @pytest.mark.parametrize("spec", CASES, ids=[s.name for s in CASES])
@@ -16,7 +16,7 @@ def test_spec_compiles_without_spills(spec, cache_dir):
         assert res.stack_frame == 0, f"{spec.name}:{entry} uses local memory: {res}"
 
 
-SMEM_CASES = [spec for spec in specs.all_specs("sm_90a") + specs.all_specs("sm_86") if spec.smem_bytes]
+SMEM_CASES = [spec for spec in registry.all_specs("sm_90a") + registry.all_specs("sm_86") if spec.smem_bytes]
 
 
 @pytest.fixture(scope="module")
@@ -42,46 +42,5 @@ def test_host_shared_memory_size_matches_the_kernel(spec, kernel_copy, monkeypat
 
 @pytest.mark.parametrize("arch", specs.TEST_ARCHS)
 def test_every_spec_fits_the_shared_memory_of_its_arch(arch):
-    for spec in specs.all_specs(arch):
+    for spec in registry.all_specs(arch):
         assert spec.smem_bytes <= specs.SMEM_LIMIT[arch], f"{spec.name}: {spec.smem_bytes} B"
-
-
-@pytest.mark.parametrize("arch, d, dv, mods, source", [
-    ("sm_90a", 64, 64, {}, "sm90/bwd.cu"),
-    ("sm_90a", 128, 128, {}, "sm90/bwd.cu"),
-    ("sm_90a", 100, 100, {}, "sm90/bwd.cu"),        # padded to 128
-    ("sm_90a", 96, 96, {}, "sm80/bwd.cu"),          # a compiled dim of its own, not a multiple of 64
-    ("sm_90a", 256, 256, {}, "sm90/bwd.cu"),
-    ("sm_90a", 192, 192, {}, "sm80/bwd_grid.cu"),
-    ("sm_90a", 192, 128, {}, "sm80/bwd_grid.cu"),
-    ("sm_90a", 128, 64, {}, "sm80/bwd.cu"),          # q/k and v head dims differ
-    ("sm_90a", 128, 128, {"softcap": True}, "sm80/bwd.cu"),
-    ("sm_90a", 128, 128, {"alibi": True}, "sm80/bwd.cu"),
-    ("sm_80", 128, 128, {}, "sm80/bwd.cu"),
-    ("sm_89", 64, 64, {}, "sm80/bwd.cu"),
-])
-def test_backward_kernel_choice(arch, d, dv, mods, source):
-    """wgmma's kernel serves Hopper at d64/d128/d256 without score modifications; rung 4's serve the rest."""
-    spec = specs.bwd_spec("bf16", d, dv, arch, **mods)
-    assert spec.source == source
-    assert spec.arch == arch
-
-
-@pytest.mark.parametrize("arch, d, dv, mods, tma", [
-    ("sm_90a", 128, 128, {}, True),
-    ("sm_90a", 120, 64, {}, True),                   # padded to 128: the maps zero-fill the rest
-    ("sm_90a", 64, 64, {}, True),
-    ("sm_90a", 256, 256, {}, False),                 # K and V take turns in one buffer each: cp.async
-    ("sm_90a", 128, 128, {"softcap": True}, False),
-    ("sm_80", 128, 128, {}, False),                  # no tensor memory accelerator before Hopper
-])
-def test_forward_kv_loads(arch, d, dv, mods, tma):
-    """The forward's K/V ring is fed by TMA on Hopper's d128 tile and by cp.async everywhere else; the TMA
-    build takes the tensor maps as a second argument and the others empty ones."""
-    from flashtile import ladder
-
-    spec = specs.fwd_spec("bf16", d, dv, arch, **mods)
-    assert dict(spec.defines)["FT_TMA_KV"] == int(tma)
-    assert ladder.kv_box_rows(spec) == (dict(spec.defines)["FT_BLOCK_N"] if tma else 0)
-    assert ladder.kv_box_rows(specs.mma_spec("bf16", 64, arch)) is None
-

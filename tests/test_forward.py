@@ -2,7 +2,7 @@
 
 import torch
 
-from flashtile import launch
+from flashtile import launch, plans
 from flashtile.forward import LOG2E, FwdProblem
 
 
@@ -18,7 +18,7 @@ def test_dense_problem_fields_by_name():
     v = torch.randn(3, 70, 2, 24)
     slopes = torch.rand(3, 8)
     p = FwdProblem(q, k, v, 0.25, (12, 0), softcap=7.0, alibi_slopes=slopes, want_lse=True)
-    o, lse = p.empty_outputs()
+    o, lse = plans.empty_outputs(p.q, p.out_shape(), p.lse_shape())
     scores = torch.empty(4)
     f = unpack(p.params(o, lse, scores))
     assert (f["q"], f["k"], f["v"], f["o"]) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
@@ -43,7 +43,7 @@ def test_varlen_problem_fields_by_name():
     cu_k = torch.tensor([0, 20, 45], dtype=torch.int32)
     p = FwdProblem(q, k, v, 0.125, (-1, -1), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                    max_seqlen_q=20, max_seqlen_k=25, want_lse=True)
-    o, lse = p.empty_outputs()
+    o, lse = plans.empty_outputs(p.q, p.out_shape(), p.lse_shape())
     f = unpack(p.params(o, lse))
     assert (f["cu_seqlens_q"], f["cu_seqlens_k"]) == (cu_q.data_ptr(), cu_k.data_ptr())
     assert (f["q_batch_stride"], f["q_row_stride"], f["q_head_stride"]) == (0, 4 * 64, 64)

@@ -121,11 +121,11 @@ def test_a_repeated_call_runs_its_cached_plan():
     and an address that breaks 16-byte alignment falls back to the full path (which copies)."""
     from flashtile import api
 
-    api._plans.clear()
+    api._calls.clear()
     shape = (2, 300, 4, 64)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flashtile.attention(q, k, v, causal=True, return_lse=True)
-    assert len(api._plans) == 1
+    assert len(api._calls) == 1
     q2, k2, v2 = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out, lse = flashtile.attention(q2, k2, v2, causal=True, return_lse=True)
     assert compare(q2, k2, v2, out, lse, causal=True).ok

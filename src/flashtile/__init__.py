@@ -1,6 +1,7 @@
 """flashtile: exact attention (FlashAttention) for PyTorch, with CUDA kernels compiled at run time by NVRTC."""
 
 from .api import attention, varlen_attention
+from .explain import explain
 from .compat import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -15,6 +16,6 @@ from .ladder import RUNGS
 from .reference import attention_ref
 
 __version__ = "0.1.0"
-__all__ = ["attention", "varlen_attention", "attention_ref", "RUNGS", "__version__",
+__all__ = ["attention", "varlen_attention", "attention_ref", "explain", "RUNGS", "__version__",
            "flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "sdpa", "register_hf"]

@@ -85,9 +85,7 @@ def _check_flags(deterministic, rung) -> None:
 
 
 def _differentiable(q, k, v, rung) -> bool:
-    """True when the call must go through the autograd-aware op (gradients wanted, or torch.compile tracing)."""
-    if torch.compiler.is_compiling():
-        return True
+    """True when gradients are wanted from this call."""
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return False
     if rung != "auto":
@@ -95,16 +93,23 @@ def _differentiable(q, k, v, rung) -> bool:
     return True
 
 
-# Input signature (shapes, strides, dtypes, devices, options) -> the LaunchPlan its first call produced. A
-# repeated call checks nothing again: everything the checks looked at is in the signature.
-_plans: dict[tuple, dispatch.LaunchPlan] = {}
-MAX_PLANS = 4096  # inference over ever-new shapes (e.g. a growing KV length) must not grow the cache forever
+def _run(call, q, k, v, grad: bool, return_lse: bool):
+    out, lse = ops.Attention.apply(q, k, v, call) if grad else call.forward(q, k, v)
+    return (out, lse) if return_lse else out
+
+
+# Input signature (shapes, strides, dtypes, devices, options, whether gradients are wanted) -> the
+# dispatch.PlannedCall its first call produced. A repeated call checks nothing again: everything the checks
+# looked at is in the signature.
+_calls: dict[tuple, dispatch.PlannedCall] = {}
+MAX_CALLS = 4096  # inference over ever-new shapes (e.g. a growing KV length) must not grow the cache forever
 
 
 def _signature(q, k, v, options: tuple) -> tuple | None:
     try:
-        key = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype, k.get_device(),
-               v.shape, v.stride(), v.dtype, v.get_device(), options)
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+               v.shape, v.stride(), v.dtype, v.device, grad, options)
         hash(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable option: the full path says what is wrong
         return None
@@ -130,15 +135,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     Returns:
         out (batch, seqlen_q, heads_q, head_dim_v) in the dtype of q, and lse if ``return_lse``.
     """
+    compiling = torch.compiler.is_compiling()
     key = None
-    if alibi_slopes is None and not torch.compiler.is_compiling():
+    if alibi_slopes is None and not compiling:
         key = _signature(q, k, v, (causal, softmax_scale, window_size, softcap, return_lse, deterministic, rung))
-        plan = _plans.get(key) if key is not None else None
-        if plan is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                  or v.requires_grad)):
-            result = plan.run(q, k, v)
-            if result is not None:
-                return result if return_lse else result[0]
+        call = _calls.get(key) if key is not None else None
+        if call is not None and call.serves(q, k, v):
+            return _run(call, q, k, v, key[12], return_lse)
 
     _check_tensor("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
     _check_tensor("k", k, 4, "(batch, seqlen_k, heads_kv, head_dim)")
@@ -150,28 +153,32 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         raise ValueError(f"k and v must have the same seqlen, got {k.shape[1]} and {v.shape[1]}")
     scale, window = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, q.shape[0])
     _check_flags(deterministic, rung)
+    grad = _differentiable(q, k, v, rung)
+    _check_device(q, rung)
+    window = reference.effective_window(causal, window)
 
-    if _differentiable(q, k, v, rung):
-        o, lse = ops.forward(q, k, v, None, None, 0, 0, scale, window[0], 0 if causal else window[1],
-                             float(softcap), alibi_slopes, deterministic)
-    elif q.is_cuda:
-        problem = FwdProblem(q, k, v, scale, (window[0], 0 if causal else window[1]), float(softcap),
-                             alibi_slopes, want_lse=return_lse)
-        o, lse = dispatch.cuda_forward(problem, rung)
-        if key is not None and problem.q is q and problem.k is k and problem.v is v:  # no operand was copied
-            plan = dispatch.plan_for(problem, rung)
-            if plan is not None:
-                if len(_plans) >= MAX_PLANS:
-                    _plans.clear()
-                _plans[key] = plan
-    elif q.device.type == "cpu":
+    if compiling:
+        if rung != "auto":
+            raise ValueError(f"rung={rung!r} is not traced by torch.compile; take rung='auto'")
+        o, lse = ops.forward(q, k, v, None, None, 0, 0, scale, *window, float(softcap), alibi_slopes, deterministic)
+        return (o, lse) if return_lse else o
+    problem = FwdProblem(q, k, v, scale, window, float(softcap), alibi_slopes, want_lse=return_lse or grad)
+    call = dispatch.planned_call(problem, rung, deterministic, grad)
+    if call is None:
+        call = dispatch.GeneralCall(problem, deterministic, rung)
+    elif key is not None:
+        if len(_calls) >= MAX_CALLS:
+            _calls.clear()
+        _calls[key] = call
+    return _run(call, q, k, v, grad, return_lse)
+
+
+def _check_device(q, rung) -> None:
+    if q.device.type == "cpu":
         if rung != "auto":
             raise ValueError(f"rung={rung!r} runs CUDA kernels; CPU tensors take the chunked path (rung='auto')")
-        o, lse = reference.attention_chunked(q, k, v, causal=causal, softmax_scale=scale, window_size=window,
-                                             softcap=softcap, alibi_slopes=alibi_slopes)
-    else:
+    elif q.device.type != "cuda":
         raise ValueError(f"q, k and v must be CPU or CUDA tensors, got device {q.device}")
-    return (o, lse) if return_lse else o
 
 
 def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> int:
@@ -220,21 +227,15 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                          f"and {cu_seqlens_k.numel()} offsets")
     scale, window = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch)
     _check_flags(deterministic, rung)
-    options = dict(causal=causal, softmax_scale=scale, window_size=window, softcap=softcap)
-    if _differentiable(q, k, v, rung):
-        left, right = reference.effective_window(causal, window)
-        o, lse = ops.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, left, right,
-                             float(softcap), alibi_slopes, deterministic)
-    elif q.device.type == "cpu":
+    grad = _differentiable(q, k, v, rung)
+    _check_device(q, rung)
+    window = reference.effective_window(causal, window)
+    if torch.compiler.is_compiling():
         if rung != "auto":
-            raise ValueError(f"rung={rung!r} runs CUDA kernels; CPU tensors take the chunked path (rung='auto')")
-        o, lse = reference.varlen_apply(reference.attention_chunked, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                        alibi_slopes=alibi_slopes, **options)
-    elif q.device.type == "cuda":
-        problem = FwdProblem(q, k, v, scale, reference.effective_window(causal, window), float(softcap),
-                             alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             want_lse=return_lse)
-        o, lse = dispatch.cuda_forward(problem, rung)
-    else:
-        raise ValueError(f"q, k and v must be CPU or CUDA tensors, got device {q.device}")
-    return (o, lse) if return_lse else o
+            raise ValueError(f"rung={rung!r} is not traced by torch.compile; take rung='auto'")
+        o, lse = ops.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
+                             float(softcap), alibi_slopes, deterministic)
+        return (o, lse) if return_lse else o
+    problem = FwdProblem(q, k, v, scale, window, float(softcap), alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k, want_lse=return_lse or grad)
+    return _run(dispatch.GeneralCall(problem, deterministic, rung), q, k, v, grad, return_lse)

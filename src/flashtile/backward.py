@@ -1,9 +1,11 @@
-"""The backward pass on CUDA: the kernels (specs.bwd_spec picks them: kernels/sm90/bwd.cu on Hopper, rung 4's
-kernels/sm80/bwd.cu and bwd_grid.cu otherwise) and the buffers around them.
+"""The backward kernel families and their plans.
 
-Three launches: a preprocess over query rows (D = rowsum(dO * O), the LSE in base 2, the fp32 dQ
-accumulator zeroed), the main kernel over key tiles (one launch, or two for sm80/bwd.cu past head dim 128:
-dV, then dK and dQ), and the conversion of the dQ accumulator to the dtype of q.
+Three families, asked in this order: the Hopper kernel on wgmma (kernels/sm90/bwd.cu), the per-phase warp-grid
+kernel for head dim 192 (kernels/sm80/bwd_grid.cu) and rung 4's 16-keys-per-warp kernel (kernels/sm80/bwd.cu),
+which serves everything the other two leave. Each plan is three launches over one BwdParams struct: a
+preprocess over query rows (D = rowsum(dO * O), the LSE in base 2, the fp32 dQ accumulator zeroed), the main
+kernel over key blocks (one launch, or two for sm80/bwd.cu past head dim 128: dV, then dK and dQ), and the
+conversion of the dQ accumulator to the dtype of q.
 """
 
 from __future__ import annotations
@@ -13,42 +15,47 @@ import math
 
 import torch
 
-from . import launch, specs
+from . import launch, plans, specs
+from .family import Family, Serves, Variant
 from .forward import FwdProblem
-from .ladder import device_capability
+from .launch import Launch
 
-ROW_WARPS = 4           # bwd_common.cuh kRowWarps: warps per block of the two row kernels
-ROWS_PER_BLOCK = 16     # bwd_common.cuh kPreprocessRows
 WARP = 32
 DTYPES = (torch.float16, torch.bfloat16)
 MIN_CAPABILITY = (8, 0)  # mma.sync and cp.async
 SCRATCH_LIMIT_BYTES = 64 * 2**20  # the fp32 dQ accumulator's budget: beyond it, heads go in groups
 FP32_BYTES = 4
+ALL_FEATURES = frozenset({"window", "varlen", "softcap", "alibi"})
+PLAIN_FEATURES = frozenset({"window", "varlen"})
 
 
-def unsupported(problem: FwdProblem) -> str | None:
-    """Why the CUDA backward kernels cannot serve `problem` (the caller then differentiates the chunked path)."""
-    if problem.q.dtype not in DTYPES:
-        return f"the backward kernels take float16/bfloat16, not {problem.q.dtype}"
-    if device_capability(problem.q.device.index) < MIN_CAPABILITY:
-        return f"the backward kernels need compute capability {MIN_CAPABILITY} or newer"
+def _padded(variant: Variant) -> tuple[int, int]:
+    return specs.pick_padded(variant.head_dim, specs.FWD_HEAD_DIMS), specs.pick_padded(variant.head_dim_v,
+                                                                                      specs.FWD_HEAD_DIMS)
+
+
+def _wgmma_tile(variant: Variant):
+    return specs.bwd_wgmma_tile(*_padded(variant), variant.arch, variant.score_mods)
+
+
+def _grid_tile(variant: Variant):
+    return specs.bwd_grid_tile(max(_padded(variant)), variant.arch, variant.score_mods)
+
+
+def _wgmma_why_not(variant: Variant) -> str | None:
+    if variant.arch != "sm_90a":
+        return "kernel 'bwd-wgmma' runs on Hopper (sm_90a) only"
+    if _wgmma_tile(variant) is None:
+        return (f"kernel 'bwd-wgmma' serves q/k and v head dims that pad alike to one of "
+                f"{sorted(specs.BWD_WGMMA_TILES)}, not {_padded(variant)}")
     return None
 
 
-_modules: dict[tuple, launch.LoadedModule] = {}
-
-
-def _module(problem: FwdProblem) -> launch.LoadedModule:
-    device = problem.q.device.index
-    key = (problem.q.dtype, problem.head_dim, problem.head_dim_v, problem.softcap > 0,
-           problem.alibi_slopes is not None, device)
-    module = _modules.get(key)
-    if module is None:
-        spec = specs.bwd_spec(specs.DTYPES[problem.q.dtype], problem.head_dim, problem.head_dim_v,
-                              specs.arch_of(device_capability(device)), softcap=problem.softcap > 0,
-                              alibi=problem.alibi_slopes is not None)
-        module = _modules[key] = launch.load(spec, device)
-    return module
+def _grid_why_not(variant: Variant) -> str | None:
+    if _grid_tile(variant) is None:
+        return (f"kernel 'bwd-grid' serves head dims padding to {sorted(specs.BWD_GRID_TILES)} where its tile fits "
+                f"the shared memory of {variant.arch}")
+    return None
 
 
 def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
@@ -56,28 +63,65 @@ def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return (0, *t.stride()[:2]) if varlen else t.stride()[:3]
 
 
-def empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The gradient buffers the kernels write (tests poison them with NaN)."""
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def plan(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, lse: torch.Tensor,
+         dout: torch.Tensor, grads: tuple[torch.Tensor, ...], deterministic: bool) -> plans.BwdPlan:
+    """The backward plan of `problem` (q/k/v kernel-ready) given the forward's `out` and `lse`, and dO and the
+    gradient buffers laid out as the plan's runs will find them."""
+    spec = module.spec
+    defines = dict(spec.defines)
+    block_m, block_n, warps = defines["FT_BLOCK_M"], defines["FT_BLOCK_N"], defines["FT_WARPS"]
+    row_warps, rows_per_block = defines["FT_ROW_WARPS"], defines["FT_PREPROCESS_ROWS"]
+    varlen = problem.varlen
+    dq, dk, dv = grads
+    m_blocks = math.ceil(problem.seqlen_q / block_m)
+    kernels = module.kernels
+    row_grid = (math.ceil(problem.seqlen_q / rows_per_block), problem.heads_q, problem.batch)
+    key_grid = (math.ceil(problem.seqlen_k / block_n), problem.heads_kv, problem.batch)
+    rows = Launch(kernels["attn_bwd_preprocess"], row_grid, row_warps * WARP, 0)
+    main = tuple(Launch(kernels[entry], key_grid, warps * WARP, spec.smem_bytes) for entry in spec.entries[1:-1])
+    convert = Launch(kernels["attn_bwd_dq_convert"], row_grid, row_warps * WARP, 0)
+    return plans.BwdPlan(
+        (rows, *main, convert), problem.params(out, lse)[plans.ADDRESS_FIELDS:],
+        (*_strides(dout, varlen), *_strides(dq, varlen), *_strides(dk, varlen), *_strides(dv, varlen), m_blocks),
+        dout.stride(), lse.numel(), lse.numel() * defines["FT_HEAD_DIM"],
+        problem.batch * problem.heads_q * m_blocks if deterministic else 0)
 
 
-def cuda_backward(problem: FwdProblem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                  deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of the attention `problem` (q/k/v already kernel-ready) given the forward's out and lse.
+FAMILIES: tuple[Family, ...] = (
+    Family("bwd-wgmma", "bwd", "Hopper: every product on wgmma, two warpgroups per block",
+           Serves(DTYPES, max(specs.FWD_HEAD_DIMS), PLAIN_FEATURES, (9, 0), extra=_wgmma_why_not),
+           lambda v: specs.bwd_wgmma_spec(v.dtype_name, _padded(v)[0], _wgmma_tile(v)), plan, tile=_wgmma_tile),
+    Family("bwd-grid", "bwd", "mma.sync with per-phase warp grids: dK and dV of head dim 192 in one pass",
+           Serves(DTYPES, max(specs.FWD_HEAD_DIMS), PLAIN_FEATURES, MIN_CAPABILITY, extra=_grid_why_not),
+           lambda v: specs.bwd_grid_spec(v.dtype_name, *_padded(v), v.arch, _grid_tile(v)), plan, tile=_grid_tile),
+    Family("bwd-mma", "bwd", "rung 4's backward: mma.sync, 16 keys per warp, every feature",
+           Serves(DTYPES, max(specs.FWD_HEAD_DIMS), ALL_FEATURES, MIN_CAPABILITY),
+           lambda v: specs.bwd_mma_spec(v.dtype_name, v.head_dim, v.head_dim_v, v.arch,
+                                        softcap="softcap" in v.features, alibi="alibi" in v.features), plan,
+           tile=lambda v: specs.bwd_tile(max(_padded(v)), v.arch, v.score_mods)),
+)
 
-    `out` and `dout` have the (padded) head dim of v; `lse` is the forward's. The fp32 dQ accumulator is
-    the one large scratch buffer; past SCRATCH_LIMIT_BYTES the heads are processed in groups so that it
-    stays bounded (training at long sequence lengths then needs little more than its own tensors).
-    """
-    module = _module(problem)
-    head_dim = dict(module.spec.defines)["FT_HEAD_DIM"]
-    grads = empty_grads(problem.q, problem.k, problem.v)
+
+def head_groups(problem: FwdProblem, module: launch.LoadedModule, query_rows: int) -> int:
+    """How many kv heads one launch may take so that the fp32 dQ accumulator of `query_rows` rows (all batches)
+    stays under SCRATCH_LIMIT_BYTES (training at long sequence lengths then needs little more than its own
+    tensors)."""
     group = problem.heads_q // problem.heads_kv
-    accum_bytes_per_kv_head = lse.numel() // problem.heads_q * group * head_dim * FP32_BYTES
-    chunk = max(1, SCRATCH_LIMIT_BYTES // accum_bytes_per_kv_head)
+    accum_bytes_per_kv_head = query_rows * group * dict(module.spec.defines)["FT_HEAD_DIM"] * FP32_BYTES
+    return max(1, SCRATCH_LIMIT_BYTES // accum_bytes_per_kv_head)
+
+
+def run(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, lse: torch.Tensor,
+        dout: torch.Tensor, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of `problem` (q/k/v, out and dout kernel-ready), in head groups where the accumulator is large."""
+    grads = plans.empty_grads(problem.q, problem.k, problem.v)
+    chunk = head_groups(problem, module, lse.numel() // problem.heads_q)
     if chunk >= problem.heads_kv:
-        _launch(module, problem, out, lse.contiguous(), dout, grads, deterministic)
+        plan(problem, module, out, lse, dout, grads, deterministic).run(
+            dout, problem.q, problem.k, problem.v, out, lse, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            problem.alibi_slopes, grads=grads)
         return grads
+    group = problem.heads_q // problem.heads_kv
     for h0 in range(0, problem.heads_kv, chunk):
         kv, qh = slice(h0, h0 + chunk), slice(h0 * group, (h0 + chunk) * group)
         slopes = problem.alibi_slopes[..., qh] if problem.alibi_slopes is not None else None
@@ -85,34 +129,7 @@ def cuda_backward(problem: FwdProblem, out: torch.Tensor, lse: torch.Tensor, dou
                                    alibi_slopes=slopes)
         part_lse = (lse[qh] if problem.varlen else lse[:, qh]).contiguous()
         part_grads = (grads[0][..., qh, :], grads[1][..., kv, :], grads[2][..., kv, :])
-        _launch(module, part, out[..., qh, :], part_lse, dout[..., qh, :], part_grads, deterministic)
+        plan(part, module, out[..., qh, :], part_lse, dout[..., qh, :], part_grads, deterministic).run(
+            dout[..., qh, :], part.q, part.k, part.v, out[..., qh, :], part_lse, problem.cu_seqlens_q,
+            problem.cu_seqlens_k, slopes, grads=part_grads)
     return grads
-
-
-def _launch(module: launch.LoadedModule, problem: FwdProblem, out, lse, dout, grads, deterministic: bool) -> None:
-    defines = dict(module.spec.defines)
-    block_m, block_n, warps = defines["FT_BLOCK_M"], defines["FT_BLOCK_N"], defines["FT_WARPS"]
-    q = problem.q
-    varlen = problem.varlen
-    dq, dk, dv = grads
-    rows = torch.empty((2, *lse.shape), dtype=torch.float32, device=q.device)  # D and the base-2 LSE
-    dq_accum = torch.empty(lse.numel() * defines["FT_HEAD_DIM"], dtype=torch.float32, device=q.device)
-    m_blocks = math.ceil(problem.seqlen_q / block_m)
-    semaphore = (torch.zeros(problem.batch * problem.heads_q * m_blocks, dtype=torch.int32, device=q.device)
-                 if deterministic else None)
-
-    params = problem.params(out, lse) + (
-        dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-        dq_accum.data_ptr(), rows[0].data_ptr(), rows[1].data_ptr(),
-        semaphore.data_ptr() if semaphore is not None else 0,
-        *_strides(dout, varlen), *_strides(dq, varlen), *_strides(dk, varlen), *_strides(dv, varlen),
-        m_blocks,
-    )
-    kernels = module.kernels
-    row_grid = (math.ceil(problem.seqlen_q / ROWS_PER_BLOCK), problem.heads_q, problem.batch)
-    key_grid = (math.ceil(problem.seqlen_k / block_n), problem.heads_kv, problem.batch)
-    layout = launch.BWD_PARAMS_STRUCT
-    launch.launch(kernels["attn_bwd_preprocess"], row_grid, ROW_WARPS * WARP, 0, params, layout)
-    for entry in module.spec.entries[1:-1]:  # attn_bwd, or attn_bwd_dv then attn_bwd_dkdq
-        launch.launch(kernels[entry], key_grid, warps * WARP, module.spec.smem_bytes, params, layout)
-    launch.launch(kernels["attn_bwd_dq_convert"], row_grid, ROW_WARPS * WARP, 0, params, layout)

@@ -1,4 +1,4 @@
-"""The `flashtile` command: info, check, compile, bench."""
+"""The `flashtile` command: info, check, compile, bench, explain."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def _check_backward(device: str, gen: torch.Generator) -> int:
 
 
 def cmd_compile(args) -> int:
-    from . import jit, specs
+    from . import jit, registry, specs
 
     arch = args.arch
     if arch is None:
@@ -106,7 +106,7 @@ def cmd_compile(args) -> int:
             print("no CUDA device: name a target with --arch (e.g. sm_90a)", file=sys.stderr)
             return 2
         arch = specs.arch_of(torch.cuda.get_device_capability())
-    todo = specs.all_specs(arch)
+    todo = registry.all_specs(arch)
     spills, start = [], time.perf_counter()
     try:
         from rich.progress import track
@@ -149,6 +149,42 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _window(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window must be left,right (ints, -1 = unbounded), got {text!r}") from None
+    return left, right
+
+
+def cmd_explain(args) -> int:
+    from .explain import REFERENCE_MACHINES, explain
+
+    batch, heads, seqlen, head_dim = args.shape
+    heads_kv = args.heads_kv or heads
+    seqlen_k = args.seqlen_k or seqlen
+    head_dim_v = args.head_dim_v or head_dim
+    on_gpu = torch.cuda.is_available() and args.arch is None
+    if not on_gpu and args.arch is None:
+        print("no CUDA device: name a target with --arch, one of " + ", ".join(sorted(REFERENCE_MACHINES)),
+              file=sys.stderr)
+        return 2
+    device = "cuda" if on_gpu else "meta"
+    dtype = _DTYPES[args.dtype]
+    q = torch.empty(batch, seqlen, heads, head_dim, device=device, dtype=dtype)
+    k = torch.empty(batch, seqlen_k, heads_kv, head_dim, device=device, dtype=dtype)
+    v = torch.empty(batch, seqlen_k, heads_kv, head_dim_v, device=device, dtype=dtype)
+    slopes = torch.rand(heads, device=device) if args.alibi else None
+    try:
+        print(explain(q, k, v, causal=args.causal, window_size=args.window, softcap=args.softcap,
+                      alibi_slopes=slopes, arch=args.arch, measure_time=not args.no_time))
+    except (TypeError, ValueError) as err:
+        print(f"flashtile explain: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashtile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,5 +200,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--reps", type=int, default=30, help="timed runs per kernel (median reported)")
     p.add_argument("--out", default="docs", help="docs folder: results/ and performance.md are written there")
+    p = sub.add_parser("explain", help="which kernel serves a call and why, its tile, FLOPs, bytes and roofline bound")
+    p.add_argument("--shape", type=_shape, default=(4, 16, 4096, 128), help="batch,heads,seqlen,head_dim of q")
+    p.add_argument("--seqlen-k", type=int, help="keys per sequence (default: seqlen)")
+    p.add_argument("--heads-kv", type=int, help="heads of k and v (GQA/MQA; default: heads)")
+    p.add_argument("--head-dim-v", type=int, help="head dim of v (default: head_dim)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--window", type=_window, default=(-1, -1), help="left,right sliding window (-1 = unbounded)")
+    p.add_argument("--softcap", type=float, default=0.0)
+    p.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
+    p.add_argument("--arch", help="explain for this target without a GPU (e.g. sm_90a); default: this GPU")
+    p.add_argument("--no-time", action="store_true", help="do not time the call on the GPU")
     args = parser.parse_args(argv)
-    return {"info": cmd_info, "check": cmd_check, "compile": cmd_compile, "bench": cmd_bench}[args.command](args)
+    commands = {"info": cmd_info, "check": cmd_check, "compile": cmd_compile, "bench": cmd_bench,
+                "explain": cmd_explain}
+    return commands[args.command](args)

@@ -1,21 +1,27 @@
-"""From a checked problem to a kernel: operand alignment, the choice of rung, the forward launch.
+"""From a checked problem to the kernels that run it: operand alignment, the registry's choice, the plans, and
+the calls that api.py keeps per input signature.
 
-api.py checks arguments and ops.py defines the autograd-aware torch ops; both come here to run the
-forward on CUDA tensors.
+A :class:`PlannedCall` is a signature's forward plan (and, built on its first backward, its backward plan): a
+repeated call with the same shapes, strides, dtypes and options costs one lookup plus its launches, in training
+as in inference. :func:`forward` and :func:`backward` are the general path every other call takes (operands that
+must be padded or copied first, packed varlen batches, the CPU); the torch.library ops (ops.py) call them too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 
-from . import ladder, launch, tma
+from . import backward as bwd
+from . import launch, plans, reference, registry, specs
+from .family import Variant
 from .forward import FwdProblem
+from .ladder import device_capability
 
 HEAD_DIM_MULTIPLE = 8        # GPU kernels load 16 bytes at a time: head dims are padded to a multiple of 8
-ALIGN_BYTES = 16
+ALIGN_BYTES = plans.ALIGN_BYTES
 
 
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
@@ -32,77 +38,118 @@ def kernel_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# (rung argument, dtype, head dims, features, device) -> (rung, loaded kernels): the per-call dispatch is one
-# dictionary lookup once a configuration has been seen.
-_dispatch: dict[tuple, tuple] = {}
+def variant_of(problem: FwdProblem, direction: str) -> Variant:
+    return Variant.of(problem, direction, specs.arch_of(device_capability(problem.q.device.index)))
 
 
-def _dispatch_key(problem: FwdProblem, rung) -> tuple:
-    window = problem.window
-    return (rung, problem.q.dtype, problem.q.shape[-1], problem.v.shape[-1], window[0] >= 0 or window[1] > 0,
-            problem.softcap > 0, problem.alibi_slopes is not None, problem.cu_seqlens_q is not None,
-            problem.q.device.index)
+def load(problem: FwdProblem, direction: str, rung="auto"):
+    """(family, loaded module) serving `problem` on its device."""
+    family, spec = registry.choose(variant_of(problem, direction), rung)
+    return family, launch.load(spec, problem.q.device.index)
 
 
-def cuda_forward(problem: FwdProblem, rung):
-    """Pad/align the operands, run the chosen rung, cut the padding off the output."""
+def _cuda_forward(problem: FwdProblem, rung) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pad/align the operands, run the chosen family's plan, cut the padding off the output."""
     head_dim_v = problem.v.shape[-1]
     problem.q, problem.k, problem.v = kernel_ready(problem.q), kernel_ready(problem.k), kernel_ready(problem.v)
-    key = _dispatch_key(problem, rung)
-    hit = _dispatch.get(key)
-    if hit is None:
-        if rung == "auto":
-            chosen = ladder.best_for(problem)
-        else:
-            chosen = ladder.get(rung)
-            why_not = chosen.unsupported(problem)
-            if why_not:
-                raise ValueError(why_not)
-        hit = _dispatch[key] = (chosen, ladder.module_for(chosen, problem))
-    chosen, module = hit
-    o, lse = chosen.launch(problem, module)
+    family, module = load(problem, "fwd", rung)
+    o, lse = family.plan(problem, module).run(problem.q, problem.k, problem.v, problem.cu_seqlens_q,
+                                              problem.cu_seqlens_k, problem.alibi_slopes)
     return (o[..., :head_dim_v] if o.shape[-1] != head_dim_v else o), lse
 
 
-# The first PARAM_FIELDS are the tensors' addresses; everything after them is fixed by shapes and options.
-ADDRESS_FIELDS = 9
-assert all(fmt == "Q" for _, fmt in launch.PARAM_FIELDS[:ADDRESS_FIELDS])
+def forward(problem: FwdProblem, rung="auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, lse) of a checked problem on its device: CUDA kernels, or the chunked PyTorch path on the CPU."""
+    if problem.q.is_cuda:
+        return _cuda_forward(problem, rung)
+    options = dict(causal=False, softmax_scale=problem.scale, window_size=problem.window, softcap=problem.softcap,
+                   alibi_slopes=problem.alibi_slopes)
+    if problem.varlen:
+        return reference.varlen_apply(reference.attention_chunked, problem.q, problem.k, problem.v,
+                                      problem.cu_seqlens_q, problem.cu_seqlens_k, **options)
+    return reference.attention_chunked(problem.q, problem.k, problem.v, **options)
 
 
-@dataclass(frozen=True, slots=True)
-class LaunchPlan:
-    """A forward call with every decision made; from call to call only the tensors' addresses change."""
-
-    kernel: launch.LoadedKernel
-    grid: tuple[int, int, int]
-    threads: int
-    smem: int
-    out_shape: tuple[int, ...] | None   # None: the output is torch.empty_like(q)
-    lse_shape: tuple[int, ...] | None   # None: no LSE wanted
-    tail: tuple                         # the params after the address fields
-    kv_box_rows: int | None             # the kernel's second argument (ladder.kv_box_rows)
-
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """(out, lse), or None when an address breaks 16-byte alignment (the full path copies then)."""
-        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        if (qp | kp | vp) % ALIGN_BYTES:
-            return None
-        o = torch.empty_like(q) if self.out_shape is None else q.new_empty(self.out_shape)
-        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        launch.launch(self.kernel, self.grid, self.threads, self.smem,
-                      (qp, kp, vp, o.data_ptr(), 0 if lse is None else lse.data_ptr(), 0, 0, 0, 0) + self.tail,
-                      extra=tma.kernel_argument(k, v, self.kv_box_rows))
-        return o, lse
+def backward(problem: FwdProblem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of a checked problem, shaped like q, k, v (dk/dv summed over each GQA group)."""
+    q, k, v = problem.q, problem.k, problem.v
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if q.is_cuda and _backward_kernels_serve(problem):
+        ready = dataclasses.replace(problem, q=kernel_ready(q), k=kernel_ready(k), v=kernel_ready(v))
+        _, module = load(ready, "bwd")
+        dq, dk, dv = bwd.run(ready, module, kernel_ready(out), lse.contiguous(), kernel_ready(dout), deterministic)
+        return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
+    options = dict(causal=False, softmax_scale=problem.scale, window_size=problem.window, softcap=problem.softcap,
+                   alibi_slopes=problem.alibi_slopes)
+    if problem.varlen:
+        return reference.varlen_apply_backward(dout, q, k, v, out, lse, problem.cu_seqlens_q, problem.cu_seqlens_k,
+                                               **options)
+    return reference.attention_chunked_backward(dout, q, k, v, out, lse, **options)
 
 
-def plan_for(problem: FwdProblem, rung) -> LaunchPlan | None:
-    """The plan of a dense, ALiBi-free problem that cuda_forward just ran without copying its operands."""
-    chosen, module = _dispatch[_dispatch_key(problem, rung)]
-    if chosen.geometry is None or problem.varlen or problem.alibi_slopes is not None:
+def _backward_kernels_serve(problem: FwdProblem) -> bool:
+    """Whether a CUDA backward kernel serves the problem; fp32 and pre-Ampere GPUs take the chunked path."""
+    return any(why is None for _, why in registry.reasons(variant_of(problem, "bwd")))
+
+
+class PlannedCall:
+    """One input signature's plans: the forward's, and the backward's when the call is differentiated. It holds
+    no tensors: every call brings its own."""
+
+    __slots__ = ("forward_plan", "backward_plan")
+
+    def __init__(self, forward_plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None):
+        self.forward_plan = forward_plan
+        self.backward_plan = backward_plan
+
+    @staticmethod
+    def serves(q, k, v) -> bool:
+        """Whether this call's kernels can read these operands: their base addresses are 16-byte aligned (the
+        strides were checked when the call was planned). Otherwise the full path copies them."""
+        return not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGN_BYTES
+
+    def forward(self, q, k, v):
+        return self.forward_plan.run(q, k, v)
+
+    def backward(self, dout, q, k, v, out, lse):
+        return self.backward_plan.run(dout, q, k, v, out, lse)
+
+
+def planned_call(problem: FwdProblem, rung, deterministic: bool, want_grad: bool) -> PlannedCall | None:
+    """The call to keep for a dense, ALiBi-free problem whose operands the kernels take as they are, or None
+    (the general path then serves every call with this signature)."""
+    q, k, v = problem.q, problem.k, problem.v
+    if (not q.is_cuda or problem.varlen or problem.alibi_slopes is not None
+            or any(kernel_ready(t) is not t for t in (q, k, v))):
         return None
-    o, lse = problem.empty_outputs()
-    entry, grid, threads, smem = chosen.geometry(problem, module)
-    same_dims = problem.head_dim == problem.head_dim_v
-    return LaunchPlan(module.kernels[entry], grid, threads, smem, None if same_dims else tuple(o.shape),
-                      None if lse is None else tuple(lse.shape), problem.params(o, lse)[ADDRESS_FIELDS:],
-                      ladder.kv_box_rows(module.spec))
+    family, module = load(problem, "fwd", rung)
+    forward_plan = family.plan(problem, module)
+    if not want_grad:
+        return PlannedCall(forward_plan, None)
+    if not _backward_kernels_serve(problem):
+        return None
+    _, bwd_module = load(problem, "bwd")
+    if bwd.head_groups(problem, bwd_module, problem.batch * problem.seqlen_q) < problem.heads_kv:
+        return None  # the dQ accumulator needs head groups: the general path splits them
+    out, lse = plans.empty_outputs(q, problem.out_shape(), problem.lse_shape())
+    backward_plan = bwd.plan(problem, bwd_module, out, lse, out, plans.empty_grads(q, k, v), deterministic)
+    return PlannedCall(forward_plan, backward_plan)
+
+
+class GeneralCall:
+    """A call the general path serves: the checked problem's options; each run brings its own q, k, v."""
+
+    __slots__ = ("problem", "deterministic", "rung")
+
+    def __init__(self, problem: FwdProblem, deterministic: bool, rung="auto"):
+        self.problem = problem
+        self.deterministic = deterministic
+        self.rung = rung
+
+    def forward(self, q, k, v):
+        return forward(dataclasses.replace(self.problem, q=q, k=k, v=v), self.rung)
+
+    def backward(self, dout, q, k, v, out, lse):
+        return backward(dataclasses.replace(self.problem, q=q, k=k, v=v), out, lse, dout, self.deterministic)

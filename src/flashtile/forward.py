@@ -68,18 +68,17 @@ class FwdProblem:
     def causal(self) -> bool:
         return self.window[1] == 0
 
-    def empty_outputs(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Output in the layout of q (last dim = head_dim_v), and the fp32 log-sum-exp if wanted.
-
-        LSE is (batch, heads_q, seqlen_q) dense, (heads_q, total_q) varlen — FlashAttention's layouts.
-        """
+    def out_shape(self) -> tuple[int, ...] | None:
+        """The output's shape where it differs from q's (a v head dim unlike q's); None: the output is like q."""
         q = self.q
-        o = torch.empty_like(q) if q.shape[-1] == self.v.shape[-1] else q.new_empty(*q.shape[:-1], self.v.shape[-1])
-        lse = None
-        if self.want_lse:
-            shape = (self.heads_q, self.q.shape[0]) if self.varlen else (self.batch, self.heads_q, self.seqlen_q)
-            lse = torch.empty(shape, dtype=torch.float32, device=self.q.device)
-        return o, lse
+        return None if q.shape[-1] == self.head_dim_v else (*q.shape[:-1], self.head_dim_v)
+
+    def lse_shape(self) -> tuple[int, ...] | None:
+        """FlashAttention's LSE layouts, (batch, heads_q, seqlen_q) dense and (heads_q, total_q) varlen; None
+        when no LSE is wanted."""
+        if not self.want_lse:
+            return None
+        return (self.heads_q, self.q.shape[0]) if self.varlen else (self.batch, self.heads_q, self.seqlen_q)
 
     def params(self, o: torch.Tensor, lse: torch.Tensor | None, scores: torch.Tensor | None = None) -> tuple:
         """AttnParams field values for this problem writing into `o` / `lse` (kernels/common/params.cuh)."""

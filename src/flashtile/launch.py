@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import jit
-from .specs import PIPELINED_SOURCE, KernelSpec
+from .specs import KernelSpec
 
 # (field, struct format) in the exact order of `struct AttnParams` in kernels/common/params.cuh.
 # Q = pointer, q = int64, i = int32, f = float32. tests/test_jit.py checks every offset against NVRTC.
@@ -81,6 +81,16 @@ class LoadedKernel:
     extra_bytes: int = 0       # the size of its second argument (0: it takes only the params struct)
 
 
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One kernel launch with every geometric decision made: the kernel, its grid, threads and shared memory."""
+
+    kernel: LoadedKernel
+    grid: tuple[int, int, int]
+    threads: int
+    smem: int
+
+
 @dataclass
 class LoadedModule:
     spec: KernelSpec
@@ -120,8 +130,7 @@ def load(spec: KernelSpec, device: int) -> LoadedModule:
             handle = code.get_kernel(entry).handle
             if not isinstance(handle, driver.CUfunction):  # a library kernel: take its function in this context
                 handle = _check(driver.cuKernelGetFunction(handle), f"cuKernelGetFunction({entry})")
-            extra = EXTRA_BYTES if spec.source == PIPELINED_SOURCE else 0
-            kernels[entry] = LoadedKernel(handle, device, extra_bytes=extra)
+            kernels[entry] = LoadedKernel(handle, device, extra_bytes=EXTRA_BYTES if spec.kv_maps else 0)
     loaded = _loaded[key] = LoadedModule(spec, code, kernels)
     return loaded
 
@@ -156,28 +165,38 @@ def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: i
     backward kernels take BWD_PARAMS_STRUCT and BWD_PARAM_FIELDS. `extra` is the raw bytes of a second
     argument (the forward's tensor maps, flashtile/tma.py).
     """
+    run((Launch(kernel, grid, block, smem),), params, layout, extra)
+
+
+def run(launches: tuple[Launch, ...], params: tuple, layout: struct.Struct = PARAMS_STRUCT,
+        extra: bytes | None = None) -> None:
+    """Queue `launches` in order on the current stream, all with one params struct (packed once)."""
     from cuda.bindings import driver
 
-    if smem > kernel.max_dynamic_smem:
-        _check(driver.cuFuncSetAttribute(
-            kernel.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
-            "setting the dynamic shared-memory limit")
-        kernel.max_dynamic_smem = smem
-    if (len(extra) if extra is not None else 0) != kernel.extra_bytes:
-        raise ValueError(f"this kernel takes a second argument of {kernel.extra_bytes} bytes; "
-                         f"got {None if extra is None else len(extra)}")
     args = _params_buffer
     layout.pack_into(args.buffer, 0, *params)
     argv = args.argv_address
     if extra is not None:
         ctypes.memmove(args.extra_address, extra, len(extra))
         argv = args.argv2_address
+    device = launches[0].kernel.device
     # The driver launches into the calling thread's current context: it must be the primary context of the
     # kernel's (and the tensors') device, which torch makes current when that device is its current one.
-    switch = _SAME_DEVICE if kernel.device == torch.cuda.current_device() else torch.cuda.device(kernel.device)
+    switch = _SAME_DEVICE if device == torch.cuda.current_device() else torch.cuda.device(device)
     with switch:
-        _check(driver.cuLaunchKernel(kernel.function, *grid, block, 1, 1, smem, _current_stream(kernel.device),
-                                     argv, 0), "cuLaunchKernel")
+        stream = _current_stream(device)
+        for step in launches:
+            kernel, smem = step.kernel, step.smem
+            if smem > kernel.max_dynamic_smem:
+                _check(driver.cuFuncSetAttribute(
+                    kernel.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem), "setting the dynamic shared-memory limit")
+                kernel.max_dynamic_smem = smem
+            if (len(extra) if extra is not None else 0) != kernel.extra_bytes:
+                raise ValueError(f"this kernel takes a second argument of {kernel.extra_bytes} bytes; "
+                                 f"got {None if extra is None else len(extra)}")
+            _check(driver.cuLaunchKernel(kernel.function, *step.grid, step.threads, 1, 1, smem, stream, argv, 0),
+                   "cuLaunchKernel")
 
 
 def _current_stream(device: int) -> int:

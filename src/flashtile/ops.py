@@ -1,11 +1,15 @@
-"""flashtile as PyTorch operators: ``torch.ops.flashtile.forward`` and ``torch.ops.flashtile.backward``.
+"""flashtile's autograd: one eager-mode autograd.Function, and torch.library ops for torch.compile.
 
-Both are ``torch.library`` custom ops with fake (meta) implementations, so ``torch.compile`` traces through
-them without a graph break, and autograd joins them: the forward saves what the backward needs (q, k, v,
-out, lse — no seqlen x seqlen matrix). On CUDA they run the rung-4 kernels (backward.py); where those do
-not apply (fp32, GPUs before Ampere) and on CPU they run the chunked PyTorch path of reference.py.
-Neither synchronises with the host or allocates outside torch's allocator, so both can be captured in a
-CUDA graph. Arguments reach these ops already checked by api.py; causal is folded into window_right = 0.
+Eager calls that need gradients go through :class:`Attention`, a ``torch.autograd.Function`` over a call
+(dispatch.PlannedCall or dispatch.GeneralCall): its forward runs the call's forward and saves q, k, v, out and
+lse (no seqlen x seqlen matrix), its backward runs the call's backward. That costs what autograd costs and no
+more; torch.library's Python dispatch would add about a hundred microseconds per call.
+
+Under torch.compile the same work goes through ``torch.ops.flashtile.forward`` and ``torch.ops.flashtile.backward``:
+custom ops with fake (meta) implementations, so torch.compile traces through them without a graph break, joined
+by ``register_autograd``. Neither path synchronises with the host or allocates outside torch's allocator, so both
+can be captured in a CUDA graph. Arguments reach this module already checked by api.py; causal is folded into
+window_right = 0.
 """
 
 from __future__ import annotations
@@ -14,11 +18,31 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
-from . import backward, dispatch, reference
+from . import dispatch
 from .forward import FwdProblem
 
-__all__ = ["forward", "backward_op"]
+__all__ = ["Attention", "forward", "backward_op"]
+
+
+class Attention(torch.autograd.Function):
+    """(out, lse) of `call` on q, k, v, differentiable in q, k and v."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, call) -> tuple[Tensor, Tensor]:
+        out, lse = call.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call = call
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout: Tensor, _dlse: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.call.backward(dout, q, k, v, out, lse)
+        return dq, dk, dv, None
 
 
 def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple[int, ...]:
@@ -26,9 +50,10 @@ def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple[int, ...]:
     return (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
 
 
-def _chunked_options(softmax_scale: float, window_left: int, window_right: int, softcap: float) -> dict:
-    return {"causal": False, "softmax_scale": softmax_scale, "window_size": (window_left, window_right),
-            "softcap": softcap}
+def _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+             window_right, softcap, alibi_slopes) -> FwdProblem:
+    return FwdProblem(q, k, v, softmax_scale, (window_left, window_right), softcap, alibi_slopes, cu_seqlens_q,
+                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, want_lse=True)
 
 
 @torch.library.custom_op("flashtile::forward", mutates_args=())
@@ -36,17 +61,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_
             max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
             softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor]:
     """Attention forward: (out, lse). `deterministic` is for the backward this forward's autograd node runs."""
-    if q.is_cuda:
-        problem = FwdProblem(q, k, v, softmax_scale, (window_left, window_right), softcap, alibi_slopes,
-                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, want_lse=True)
-        out, lse = dispatch.cuda_forward(problem, "auto")
-    else:
-        options = _chunked_options(softmax_scale, window_left, window_right, softcap)
-        if cu_seqlens_q is None:
-            out, lse = reference.attention_chunked(q, k, v, alibi_slopes=alibi_slopes, **options)
-        else:
-            out, lse = reference.varlen_apply(reference.attention_chunked, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                              alibi_slopes=alibi_slopes, **options)
+    out, lse = dispatch.forward(_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         softmax_scale, window_left, window_right, softcap, alibi_slopes))
     return out.contiguous(), lse.contiguous()
 
 
@@ -63,24 +79,9 @@ def backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
                 max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
                 alibi_slopes: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Attention backward: (dq, dk, dv), shaped like q, k, v (dk/dv summed over each GQA group)."""
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    if q.is_cuda:
-        problem = FwdProblem(dispatch.kernel_ready(q), dispatch.kernel_ready(k), dispatch.kernel_ready(v),
-                             softmax_scale, (window_left, window_right), softcap, alibi_slopes,
-                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        if backward.unsupported(problem) is None:
-            dq, dk, dv = backward.cuda_backward(problem, dispatch.kernel_ready(out), lse.contiguous(),
-                                                dispatch.kernel_ready(dout), deterministic)
-            return (dq[..., :q.shape[-1]].contiguous(), dk[..., :k.shape[-1]].contiguous(),
-                    dv[..., :v.shape[-1]].contiguous())
-    options = _chunked_options(softmax_scale, window_left, window_right, softcap)
-    if cu_seqlens_q is None:
-        grads = reference.attention_chunked_backward(dout, q, k, v, out, lse, alibi_slopes=alibi_slopes, **options)
-    else:
-        grads = reference.varlen_apply_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                alibi_slopes=alibi_slopes, **options)
-    return tuple(g.contiguous() for g in grads)
+    problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                       window_right, softcap, alibi_slopes)
+    return tuple(g.contiguous() for g in dispatch.backward(problem, out, lse, dout, deterministic))
 
 
 @backward_op.register_fake

@@ -3,7 +3,7 @@
 A :class:`KernelSpec` is a frozen description of one NVRTC compilation — a kernel source file, its
 entry points, the element type, the compile-time constants and the target architecture. The same spec
 feeds run-time compilation (:mod:`flashtile.jit`), the ahead-of-time ``flashtile compile`` command and
-the CPU test that compiles every kernel for several architectures (:func:`all_specs`).
+the CPU test that compiles every kernel for several architectures (registry.all_specs).
 
 Tile sizes live in the tables below, one row per choice, each with the reason for it.
 """
@@ -29,6 +29,7 @@ class KernelSpec:
     arch: str                            # "sm_80", "sm_90a", ...
     defines: tuple[tuple[str, int], ...] = ()
     smem_bytes: int = 0                  # dynamic shared memory per block (= sizeof(SharedStorage), tested)
+    kv_maps: bool = False                # the kernels take a second argument: K's and V's tensor maps (tma.py)
 
     @property
     def name(self) -> str:
@@ -48,16 +49,29 @@ def arch_of(capability: tuple[int, int]) -> str:
     return f"sm_{major}{minor}{suffix}"
 
 
+def capability_of(arch: str) -> tuple[int, int]:
+    """The compute capability an NVRTC target runs on: "sm_90a" -> (9, 0), "sm_120" -> (12, 0)."""
+    digits = arch.removeprefix("sm_").rstrip("a")
+    return int(digits[:-1]), int(digits[-1])
+
+
 # ---------------------------------------------------------------------------------------------------
 # Ladder rungs 0-2 (CUDA cores). Head dims are padded up to the nearest compiled variant.
 # ---------------------------------------------------------------------------------------------------
 
 LADDER_DTYPES = ("f32", "f16", "bf16")
 
-# Rung 1: each lane of a warp holds head_dim / 32 dims of q and of the output in registers.
+# Rung 0: one thread per score / output element; a block of 256 threads is the usual occupancy sweet spot.
+NAIVE_THREADS = 256
+
+# Rung 1: each lane of a warp holds head_dim / 32 dims of q and of the output in registers; one warp per
+# query row, four rows per block so that a block is 128 threads.
 FUSED_HEAD_DIMS = (64, 128, 256)
+FUSED_WARPS = 4
 
 # Rung 2: block M = 64 rows is fixed by the 16 x 16 thread grid with 4 rows per thread.
+TILED_BLOCK_M = 64
+TILED_THREADS = 256
 #   head_dim -> keys per tile (BLOCK_N)
 TILED_BLOCK_N = {
     64: 64,    # Q, K, V, P tiles in fp32 = 70 KB of shared memory: three blocks per SM on Ampere and Hopper
@@ -74,20 +88,23 @@ def pick_padded(head_dim: int, choices) -> int:
 
 
 def naive_spec(dtype: str, arch: str) -> KernelSpec:
-    return KernelSpec("ladder/r0_naive.cu", ("naive_scores", "naive_softmax", "naive_pv"), dtype, arch)
+    return KernelSpec("ladder/r0_naive.cu", ("naive_scores", "naive_softmax", "naive_pv"), dtype, arch,
+                      (("FT_THREADS", NAIVE_THREADS),))
 
 
 def fused_spec(dtype: str, head_dim: int, arch: str) -> KernelSpec:
     padded = pick_padded(head_dim, FUSED_HEAD_DIMS)
-    return KernelSpec("ladder/r1_fused.cu", ("fused_fwd",), dtype, arch, (("FT_HEAD_DIM", padded),))
+    return KernelSpec("ladder/r1_fused.cu", ("fused_fwd",), dtype, arch,
+                      (("FT_HEAD_DIM", padded), ("FT_WARPS", FUSED_WARPS)))
 
 
 def tiled_spec(dtype: str, head_dim: int, arch: str) -> KernelSpec:
     padded = pick_padded(head_dim, TILED_BLOCK_N)
-    block_n, block_m, pad, fp32 = TILED_BLOCK_N[padded], 64, 4, 4
+    block_n, block_m, pad, fp32 = TILED_BLOCK_N[padded], TILED_BLOCK_M, 4, 4
     smem = ((block_m + 2 * block_n) * (padded + pad) + block_m * (block_n + pad)) * fp32
     return KernelSpec("ladder/r2_tiled.cu", ("tiled_fwd",), dtype, arch,
-                      (("FT_HEAD_DIM", padded), ("FT_BLOCK_N", block_n)), smem)
+                      (("FT_HEAD_DIM", padded), ("FT_BLOCK_N", block_n), ("FT_BLOCK_M", block_m),
+                       ("FT_THREADS", TILED_THREADS)), smem)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -99,12 +116,15 @@ ELEM_BYTES = 2
 
 # Rung 3: 64 x 64 tiles, 4 warps of 16 rows; rows padded by 8 elements (16 bytes).
 MMA_HEAD_DIMS = (64, 128)
+MMA_BLOCK_M = 64
+MMA_WARPS = 4
 
 
 def mma_spec(dtype: str, head_dim: int, arch: str) -> KernelSpec:
     padded = pick_padded(head_dim, MMA_HEAD_DIMS)
-    smem = 3 * 64 * (padded + 8) * ELEM_BYTES
-    return KernelSpec("ladder/r3_mma.cu", ("mma_fwd",), dtype, arch, (("FT_HEAD_DIM", padded),), smem)
+    smem = 3 * MMA_BLOCK_M * (padded + 8) * ELEM_BYTES
+    return KernelSpec("ladder/r3_mma.cu", ("mma_fwd",), dtype, arch,
+                      (("FT_HEAD_DIM", padded), ("FT_BLOCK_M", MMA_BLOCK_M), ("FT_WARPS", MMA_WARPS)), smem)
 
 
 # Rung 4: compiled head dims (q/k and v are padded separately to one of these).
@@ -194,7 +214,21 @@ def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: boo
     d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
     tile = fwd_tile(max(d, dv), arch, softcap or alibi)
     return KernelSpec(PIPELINED_SOURCE, ("attn_fwd",), dtype, arch, fwd_defines(d, dv, tile, softcap, alibi),
-                      fwd_smem(d, dv, tile))
+                      fwd_smem(d, dv, tile), kv_maps=True)
+
+
+def kv_box_rows(spec: KernelSpec) -> int:
+    """Rows of a K/V box for the tensor memory accelerator, or 0 where the build loads K/V with cp.async."""
+    defines = dict(spec.defines)
+    return defines["FT_BLOCK_N"] if defines.get("FT_TMA_KV") else 0
+
+
+# The backward's two row kernels (preprocess: D = rowsum(dO * O) and the base-2 LSE; the dQ conversion): one
+# warp per row, 16 rows per block of 4 warps — short rows of work, so a block of 128 threads keeps enough
+# blocks in flight on every GPU.
+ROW_WARPS = 4
+PREPROCESS_ROWS = 16
+ROW_DEFINES = (("FT_ROW_WARPS", ROW_WARPS), ("FT_PREPROCESS_ROWS", PREPROCESS_ROWS))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -302,7 +336,7 @@ def bwd_grid_spec(dtype: str, d: int, dv: int, arch: str, tile: BwdGridTile) -> 
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_WARPS_KEYS_SDP", tile.warps_keys_sdp),
                ("FT_WARPS_KEYS_DKV", tile.warps_keys_dkv), ("FT_WARPS_QUERIES_DQ", tile.warps_queries_dq),
-               ("FT_SOFTCAP", 0), ("FT_ALIBI", 0))
+               ("FT_SOFTCAP", 0), ("FT_ALIBI", 0), *ROW_DEFINES)
     return KernelSpec("sm80/bwd_grid.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, arch,
                       defines, smem)
 
@@ -349,44 +383,21 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
     smem = -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", d), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0),
-               ("FT_WIDE_BLOCKS", 1))
+               ("FT_WIDE_BLOCKS", 1), *ROW_DEFINES)
     return KernelSpec("sm90/bwd.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, "sm_90a",
                       defines, smem)
 
 
-def bwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,
-             alibi: bool = False) -> KernelSpec:
+def bwd_mma_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,
+                 alibi: bool = False) -> KernelSpec:
+    """Rung 4's backward (kernels/sm80/bwd.cu): 16 keys per warp, every case the other kernels leave."""
     d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
-    wgmma_tile = bwd_wgmma_tile(d, dv, arch, softcap or alibi)
-    if wgmma_tile is not None:
-        return bwd_wgmma_spec(dtype, d, wgmma_tile)
-    grid_tile = bwd_grid_tile(max(d, dv), arch, softcap or alibi)
-    if grid_tile is not None:
-        return bwd_grid_spec(dtype, d, dv, arch, grid_tile)
     tile = bwd_tile(max(d, dv), arch, softcap or alibi)
     m, n, stages = tile.block_m, tile.block_n, tile.stages
     smem = (n * (d + dv) + stages * m * (d + dv) + n * m) * ELEM_BYTES + 2 * stages * m * 4
     main = ("attn_bwd_dv", "attn_bwd_dkdq") if tile.split else ("attn_bwd",)
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SPLIT", int(tile.split)),
-               ("FT_SOFTCAP", int(softcap)), ("FT_ALIBI", int(alibi)))
+               ("FT_SOFTCAP", int(softcap)), ("FT_ALIBI", int(alibi)), *ROW_DEFINES)
     return KernelSpec("sm80/bwd.cu", ("attn_bwd_preprocess", *main, "attn_bwd_dq_convert"), dtype, arch, defines,
                       smem)
-
-
-def all_specs(arch: str) -> list[KernelSpec]:
-    """Every spec the library can ask for on `arch` — the list `flashtile compile` builds ahead of time."""
-    specs: list[KernelSpec] = []
-    for dtype in LADDER_DTYPES:
-        specs.append(naive_spec(dtype, arch))
-        specs += [fused_spec(dtype, d, arch) for d in FUSED_HEAD_DIMS]
-        specs += [tiled_spec(dtype, d, arch) for d in TILED_BLOCK_N]
-    for dtype in MMA_DTYPES:
-        specs += [mma_spec(dtype, d, arch) for d in MMA_HEAD_DIMS]
-        specs += [fwd_spec(dtype, d, d, arch) for d in FWD_HEAD_DIMS]
-        specs.append(fwd_spec(dtype, 192, 128, arch))  # DeepSeek-style q/k 192, v 128
-        specs += [fwd_spec(dtype, 128, 128, arch, softcap=True), fwd_spec(dtype, 128, 128, arch, alibi=True)]
-        specs += [bwd_spec(dtype, d, d, arch) for d in FWD_HEAD_DIMS]
-        specs.append(bwd_spec(dtype, 192, 128, arch))
-        specs += [bwd_spec(dtype, 128, 128, arch, softcap=True), bwd_spec(dtype, 128, 128, arch, alibi=True)]
-    return specs

@@ -75,7 +75,7 @@ def kv_maps(k: torch.Tensor, v: torch.Tensor, block_n: int) -> bytes:
 
 
 def kernel_argument(k: torch.Tensor, v: torch.Tensor, box_rows: int | None) -> bytes | None:
-    """The forward kernel's second argument (ladder.kv_box_rows says which): None for kernels that take one
+    """The forward kernel's second argument (specs.kv_box_rows says which): None for kernels that take one
     argument, empty maps for builds that load K/V with cp.async (box_rows 0), else K's and V's maps."""
     if box_rows is None:
         return None

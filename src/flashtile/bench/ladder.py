@@ -11,7 +11,7 @@ from unittest import mock
 
 import torch
 
-from .. import api, jit, ladder, specs
+from .. import api, dispatch, jit, ladder, registry
 from ..forward import FwdProblem
 from ..reference import attention_chunked
 from . import measure, peers
@@ -83,8 +83,7 @@ def runtime_costs(dtype: torch.dtype) -> dict:
     """Cold NVRTC compile and disk-cache load of the top rung's spec, and host time per warm call."""
     small = [torch.randn(1, 128, 4, 64, device="cuda", dtype=dtype) for _ in range(3)]
     problem = FwdProblem(*small, scale=0.125, window=(-1, -1))
-    top = ladder.best_for(problem)
-    spec = top.spec_for(problem, specs.arch_of(torch.cuda.get_device_capability()))
+    _, spec = registry.choose(dispatch.variant_of(problem, "fwd"))
     with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {"FLASHTILE_CACHE_DIR": tmp}):
         cold = _cold_compile_seconds(spec)               # NVRTC in a fresh process: nothing warm
         jit.clear_memo()

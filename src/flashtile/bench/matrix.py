@@ -1,7 +1,9 @@
 """`flashtile bench` / `bench matrix`: the standard matrix of shared/TARGETS.md, flashtile beside every
 SDPA backend, measured in one run.
 
-Shapes: bf16, 16384 tokens per run (batch = 16384 / seqlen), heads x head_dim = 2048.
+Shapes: bf16, 16384 tokens per run (batch = 16384 / seqlen), heads x head_dim = 2048. Three passes per shape:
+the forward as training calls it (inputs that require grad: every kernel also saves what its backward needs),
+the forward under no_grad (inference), and the backward alone.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ TOKENS = 16384
 MODEL_WIDTH = 2048
 MATH_MAX_SEQLEN = 4096  # sdpa-math materialises seqlen^2 scores per head: skipped beyond this, as in TARGETS.md
 KERNELS = ("flashtile", *peers.SDPA_BACKENDS)
+PASSES = ("fwd (train)", "fwd (no_grad)", "bwd")
+TRAIN_GAP_LIMIT = 0.03  # the training forward may be this much slower than the inference forward (host costs)
 
 
 def standard_shapes():
@@ -29,14 +33,30 @@ def standard_shapes():
                 yield d, n, TOKENS // n, MODEL_WIDTH // d, causal
 
 
-def _runner(name: str, q, k, v, causal: bool, backward: bool):
+def _no_grad(fn):
+    if fn is None:
+        return None
+
+    def run():
+        with torch.no_grad():
+            return fn()
+    return run
+
+
+def _runner(name: str, q, k, v, causal: bool, pass_: str):
+    """The callable to time for one kernel and pass, or None where the kernel does not run the case."""
     if name == "sdpa-math" and q.shape[1] > MATH_MAX_SEQLEN:
         return None
-    if name != "flashtile":
-        return (peers.sdpa_backward_runner if backward else peers.sdpa_runner)(name, q, k, v, causal)
-    if not backward:
-        return lambda: api.attention(q, k, v, causal=causal)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    if name != "flashtile":
+        if pass_ == "bwd":
+            return peers.sdpa_backward_runner(name, q, k, v, causal)
+        return peers.sdpa_runner(name, *leaves, causal) if pass_ == "fwd (train)" else \
+            _no_grad(peers.sdpa_runner(name, q, k, v, causal))
+    if pass_ == "fwd (train)":
+        return lambda: api.attention(*leaves, causal=causal)
+    if pass_ == "fwd (no_grad)":
+        return _no_grad(lambda: api.attention(q, k, v, causal=causal))
     return peers.backward_runner(lambda: api.attention(*leaves, causal=causal), leaves)
 
 
@@ -45,11 +65,10 @@ def run(dtype=torch.bfloat16, reps: int = 30, progress=None) -> dict:
     g = torch.Generator(device="cuda").manual_seed(time.time_ns() % 2**63)
     for d, n, batch, heads, causal in standard_shapes():
         q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=dtype, generator=g) for _ in range(3))
-        for backward in (False, True):
-            flops = measure.attention_flops(batch, heads, n, n, d, causal=causal, backward=backward)
-            row = {"d": d, "n": n, "b": batch, "h": heads, "causal": causal, "pass": "bwd" if backward else "fwd",
-                   "tflops": {}}
-            makers = {name: partial(_runner, name, q, k, v, causal, backward) for name in KERNELS}
+        for pass_ in PASSES:
+            flops = measure.attention_flops(batch, heads, n, n, d, causal=causal, backward=pass_ == "bwd")
+            row = {"d": d, "n": n, "b": batch, "h": heads, "causal": causal, "pass": pass_, "tflops": {}}
+            makers = {name: partial(_runner, name, q, k, v, causal, pass_) for name in KERNELS}
             for name, ms in measure.time_rounds(makers, reps=reps).items():
                 row["tflops"][name] = flops / ms / 1e9 if ms else None
             flash, ours = row["tflops"]["sdpa-flash"], row["tflops"]["flashtile"]
@@ -60,7 +79,20 @@ def run(dtype=torch.bfloat16, reps: int = 30, progress=None) -> dict:
             if progress:
                 progress(row)
     doc["training"] = training_checks(dtype, reps)
+    doc["train_gap"] = train_gap(doc["rows"])
     return doc
+
+
+def train_gap(rows: list[dict]) -> dict:
+    """flashtile's training forward against its inference forward, row by row: the largest shortfall
+    (1 - train / no_grad TFLOP/s) and whether every row is within TRAIN_GAP_LIMIT."""
+    speeds = {(r["d"], r["n"], r["causal"], r["pass"]): r["tflops"]["flashtile"] for r in rows}
+    gaps = {f"d{d} n{n} causal{int(c)}": 1 - train / speeds[(d, n, c, "fwd (no_grad)")]
+            for (d, n, c, p), train in speeds.items()
+            if p == "fwd (train)" and train and speeds.get((d, n, c, "fwd (no_grad)"))}
+    worst = max(gaps, key=gaps.get) if gaps else None
+    return {"worst_row": worst, "worst_gap": gaps.get(worst), "limit": TRAIN_GAP_LIMIT,
+            "every_row_within": bool(gaps) and all(g <= TRAIN_GAP_LIMIT for g in gaps.values())}
 
 
 DETERMINISTIC_SHAPE = (1, 16384, 16, 128)   # (batch, seqlen, heads, head_dim): the d128 n16k row
@@ -106,6 +138,11 @@ def markdown(doc: dict) -> str:
         ratios = " | ".join(f"{r[key]:.2f}" if r[key] else "-" for key in ("vs_flash", "vs_best"))
         lines.append(f"| {r['d']} | {r['n']} | {r['b']} | {int(r['causal'])} | {r['pass']} | " + " | ".join(cells)
                      + f" | {ratios} |")
+    gap = doc.get("train_gap")
+    if gap and gap["worst_row"]:
+        lines += ["", f"Training forward against inference forward (flashtile): the largest shortfall is "
+                  f"{gap['worst_gap'] * 100:.1f}% ({gap['worst_row']}); every row within "
+                  f"{gap['limit'] * 100:.0f}%: {'yes' if gap['every_row_within'] else 'no'}."]
     training = doc.get("training")
     if training:
         lines += ["", "Training checks: deterministic backward / default backward at b=1 n=16384 h=16 d=128: "

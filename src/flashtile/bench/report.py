@@ -117,6 +117,16 @@ def write_performance(docs_dir: Path) -> Path:
         sections += ["## The standard matrix (`flashtile bench`)", "",
                      f"Measured {doc['system']['date']} on {_system_line(doc['system'])}.", "",
                      matrix_markdown(doc), ""]
+    overhead_json = docs_dir / RESULTS / "overhead.json"
+    if overhead_json.exists():
+        doc = json.loads(overhead_json.read_text())
+        sections += ["## Host overhead (`scripts/overhead.py`)", "",
+                     f"Measured {doc['system']['date']} on {_system_line(doc['system'])}. Wall µs per call, "
+                     f"{'x'.join(map(str, doc['shape']))} (batch x seqlen x heads x head_dim) {doc['dtype']} causal.",
+                     "", "| call | flashtile | sdpa-flash |", "|---|---:|---:|"]
+        sections += [f"| {name} | {row['flashtile']:.1f} | {row['sdpa-flash']:.1f} |"
+                     for name, row in doc["per_call_us"].items()]
+        sections.append("")
     for kind, title in (("ladder", "The ladder on the GPU"), ("ladder-cpu", "The CPU path")):
         path = docs_dir / RESULTS / f"{kind}.json"
         if path.exists():

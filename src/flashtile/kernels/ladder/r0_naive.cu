@@ -11,7 +11,7 @@
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
 
-constexpr int kThreadsPerBlock = 256;
+constexpr int kThreadsPerBlock = FT_THREADS;  // specs.py NAIVE_THREADS
 
 // Kernel 1: one thread per score S[b, h, i, j] = scale * q_i . k_j, or -inf where the mask hides j.
 extern "C" __global__ void __launch_bounds__(kThreadsPerBlock)

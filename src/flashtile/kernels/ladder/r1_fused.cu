@@ -12,7 +12,7 @@
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
 
-constexpr int kWarpsPerBlock = 4;
+constexpr int kWarpsPerBlock = FT_WARPS;  // query rows per block (specs.py FUSED_WARPS)
 constexpr int kDimsPerLane = FT_HEAD_DIM / kWarpSize;  // FT_HEAD_DIM: the largest head_dim this build serves
 static_assert(FT_HEAD_DIM % kWarpSize == 0, "FT_HEAD_DIM must be a multiple of 32");
 

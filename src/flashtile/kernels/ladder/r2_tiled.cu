@@ -16,12 +16,13 @@
 #include "../common/mask.cuh"
 
 constexpr int kHeadDim = FT_HEAD_DIM;    // padded head_dim this build serves (64 or 128)
-constexpr int kBlockM = 64;              // query rows per block
+constexpr int kBlockM = FT_BLOCK_M;      // query rows per block (specs.py TILED_BLOCK_M)
 constexpr int kBlockN = FT_BLOCK_N;      // keys per tile (specs.py: 64, or 32 where 64 overflows smem)
-constexpr int kThreads = 256;
+constexpr int kThreads = FT_THREADS;
 constexpr int kMinBlocksPerSM = 2;       // caps registers at 128 so two blocks (16 warps) share an SM
 constexpr int kThreadGrid = 16;          // kThreads = kThreadGrid x kThreadGrid
 constexpr int kRowsPerThread = kBlockM / kThreadGrid;      // 4
+static_assert(kThreads == kThreadGrid * kThreadGrid, "FT_THREADS must be a 16 x 16 thread grid");
 constexpr int kColsPerThread = kBlockN / kThreadGrid;      // score columns per thread
 constexpr int kFloatsPerVec = 4;                           // one 16-byte shared-memory access
 constexpr int kDimVecsPerThread = kHeadDim / (kThreadGrid * kFloatsPerVec);  // output float4s per row

@@ -19,9 +19,10 @@
 #include "../common/mma.cuh"
 
 constexpr int kHeadDim = FT_HEAD_DIM;  // padded head dim of this build: 64 or 128
-constexpr int kBlockM = 64;            // query rows per block = 4 warps x 16 rows
+constexpr int kBlockM = FT_BLOCK_M;    // query rows per block = 4 warps x 16 rows (specs.py MMA_BLOCK_M)
 constexpr int kBlockN = 64;            // keys per tile
-constexpr int kWarps = kBlockM / kMmaM;
+constexpr int kWarps = FT_WARPS;
+static_assert(kBlockM == kWarps * kMmaM, "each warp owns 16 query rows");
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kRow = kHeadDim + kElemsPerVector;  // one 16-byte vector of padding: 8 consecutive rows start
                                                   // in 8 different bank groups, so ldmatrix is conflict-free

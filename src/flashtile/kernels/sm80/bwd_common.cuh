@@ -32,8 +32,8 @@ using QTile = SwizzledTile<kBlockM, kHeadDim, kWideBlocks>;
 using DoTile = SwizzledTile<kBlockM, kHeadDimV, kWideBlocks>;
 
 constexpr u32 kElemBytes = sizeof(elem_t);
-constexpr int kPreprocessRows = 16;            // rows per block of the two row kernels
-constexpr int kRowWarps = 4;
+constexpr int kPreprocessRows = FT_PREPROCESS_ROWS;           // rows per block of the two row kernels
+constexpr int kRowWarps = FT_ROW_WARPS;
 
 // dq_accum += (a, b) at two neighbouring floats: one vector reduction on Hopper, two scalar ones before it.
 __device__ __forceinline__ void red_add2(float* address, float a, float b) {

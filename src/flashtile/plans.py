@@ -1,0 +1,90 @@
+"""Launch plans: a call with every decision made, so that from call to call only the tensors' addresses change.
+
+A family (family.py) builds a plan once per input signature; dispatch.py keeps it. Running a plan allocates the
+outputs (and any scratch), packs the params struct once and queues its launches: the forward's one kernel (or
+rung 0's three), the backward's preprocess, main kernel(s) and dQ conversion. The buffers a kernel writes are
+allocated by :func:`empty_outputs` and :func:`empty_grads` alone, so tests can poison them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import launch, tma
+
+# The first ADDRESS_FIELDS of AttnParams are the tensors' addresses; everything after them is fixed by shapes,
+# strides and options. BwdParams appends BWD_ADDRESS_FIELDS more addresses, then its strides.
+ADDRESS_FIELDS = 9
+BWD_ADDRESS_FIELDS = 8
+assert all(fmt == "Q" for _, fmt in launch.PARAM_FIELDS[:ADDRESS_FIELDS])
+assert all(fmt == "Q" for _, fmt in launch.BWD_EXTRA_FIELDS[:BWD_ADDRESS_FIELDS])
+ALIGN_BYTES = 16             # the kernels' vector loads: every operand's base address is a multiple of this
+FP32 = torch.float32
+SCRATCH_ALIGN_FLOATS = 64    # scratch regions inside one fp32 buffer start on 256-byte boundaries
+
+
+def empty_outputs(q: torch.Tensor, out_shape: tuple[int, ...] | None, lse_shape: tuple[int, ...] | None):
+    """The forward's output (like q, or `out_shape` when the v head dim differs) and its fp32 LSE if wanted."""
+    o = torch.empty_like(q) if out_shape is None else q.new_empty(out_shape)
+    lse = None if lse_shape is None else torch.empty(lse_shape, dtype=FP32, device=q.device)
+    return o, lse
+
+
+def empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The gradient buffers the backward kernels write."""
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+@dataclass(frozen=True, slots=True)
+class FwdPlan:
+    launches: tuple[launch.Launch, ...]
+    out_shape: tuple[int, ...] | None   # None: the output is torch.empty_like(q)
+    lse_shape: tuple[int, ...] | None   # None: no LSE wanted
+    scratch_floats: int                 # fp32 scratch the kernels share (rung 0's scores); 0: none
+    tail: tuple                         # the params after the address fields
+    kv_box_rows: int | None             # None: one kernel argument; else tma.kernel_argument's box rows
+
+    def run(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None):
+        """(out, lse). The operands' base addresses are 16-byte aligned (dispatch.kernel_ready, or the caller's
+        check): the plan's kernels read them with 16-byte vector loads."""
+        o, lse = empty_outputs(q, self.out_shape, self.lse_shape)
+        scratch = torch.empty(self.scratch_floats, dtype=FP32, device=q.device) if self.scratch_floats else None
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), _address(lse), _address(scratch),
+                     _address(cu_seqlens_q), _address(cu_seqlens_k), _address(alibi_slopes))
+        extra = None if self.kv_box_rows is None else tma.kernel_argument(k, v, self.kv_box_rows)
+        launch.run(self.launches, addresses + self.tail, launch.PARAMS_STRUCT, extra)
+        return o, lse
+
+
+@dataclass(frozen=True, slots=True)
+class BwdPlan:
+    launches: tuple[launch.Launch, ...]  # preprocess, the main kernel (or its two passes), the dQ conversion
+    tail: tuple                          # AttnParams after its addresses
+    bwd_tail: tuple                      # BwdParams after its own addresses: dO, dQ, dK, dV strides, m_blocks
+    dout_stride: tuple[int, ...]         # dO must be laid out like the forward's output
+    lse_floats: int                      # D and the base-2 LSE: one float per query row each
+    accum_floats: int                    # the fp32 dQ accumulator
+    semaphore_ints: int                  # deterministic mode's turn counters; 0 when off
+
+    def run(self, dout, q, k, v, o, lse, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, grads=None):
+        """(dq, dk, dv) shaped like q, k, v: fresh, or written into `grads` (laid out as the plan was built)."""
+        if dout.stride() != self.dout_stride or dout.data_ptr() % ALIGN_BYTES:
+            dout = torch.empty_like(o).copy_(dout)
+        dq, dk, dv = empty_grads(q, k, v) if grads is None else grads
+        accum_at = -(-2 * self.lse_floats // SCRATCH_ALIGN_FLOATS) * SCRATCH_ALIGN_FLOATS
+        scratch = torch.empty(accum_at + self.accum_floats, dtype=FP32, device=q.device)
+        base = scratch.data_ptr()
+        semaphore = (torch.zeros(self.semaphore_ints, dtype=torch.int32, device=q.device)
+                     if self.semaphore_ints else None)
+        params = ((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), 0,
+                   _address(cu_seqlens_q), _address(cu_seqlens_k), _address(alibi_slopes)) + self.tail
+                  + (dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), base + accum_at * 4, base,
+                     base + self.lse_floats * 4, _address(semaphore)) + self.bwd_tail)
+        launch.run(self.launches, params, launch.BWD_PARAMS_STRUCT)
+        return dq, dk, dv

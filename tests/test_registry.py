@@ -1,0 +1,124 @@
+"""The kernel registry on the CPU: which family serves which variant on which architecture, and why the others
+do not; the ladder as a view over it; the spec list `flashtile compile` builds."""
+
+import pytest
+import torch
+
+from flashtile import backward, ladder, registry, specs
+from flashtile.family import Variant
+from flashtile.forward import FwdProblem
+
+BF16 = torch.bfloat16
+
+
+def _variant(direction, d, dv, arch, features=(), dtype=BF16, shape="prefill"):
+    """The variant of a call with these head dims: the kernels see them padded to a multiple of 8."""
+    return Variant(direction, dtype, -(-d // 8) * 8, -(-dv // 8) * 8, frozenset(features), arch, shape)
+
+
+@pytest.mark.parametrize("arch, d, dv, features, family, source", [
+    ("sm_90a", 64, 64, (), "bwd-wgmma", "sm90/bwd.cu"),
+    ("sm_90a", 128, 128, (), "bwd-wgmma", "sm90/bwd.cu"),
+    ("sm_90a", 100, 100, (), "bwd-wgmma", "sm90/bwd.cu"),          # padded to 128
+    ("sm_90a", 96, 96, (), "bwd-mma", "sm80/bwd.cu"),              # a compiled dim of its own, not 64's multiple
+    ("sm_90a", 256, 256, ("window", "varlen"), "bwd-wgmma", "sm90/bwd.cu"),
+    ("sm_90a", 192, 192, (), "bwd-grid", "sm80/bwd_grid.cu"),
+    ("sm_90a", 192, 128, (), "bwd-grid", "sm80/bwd_grid.cu"),
+    ("sm_90a", 128, 64, (), "bwd-mma", "sm80/bwd.cu"),             # q/k and v head dims differ
+    ("sm_90a", 128, 128, ("softcap",), "bwd-mma", "sm80/bwd.cu"),
+    ("sm_90a", 128, 128, ("alibi",), "bwd-mma", "sm80/bwd.cu"),
+    ("sm_80", 128, 128, (), "bwd-mma", "sm80/bwd.cu"),
+    ("sm_80", 192, 192, (), "bwd-grid", "sm80/bwd_grid.cu"),       # its 161 KB tile fits the A100's 163 KB
+    ("sm_86", 192, 192, (), "bwd-mma", "sm80/bwd.cu"),             # but not the 99 KB of consumer GPUs
+    ("sm_89", 64, 64, (), "bwd-mma", "sm80/bwd.cu"),
+])
+def test_backward_family_choice(arch, d, dv, features, family, source):
+    """wgmma's kernel serves Hopper at d64/d128/d256 without score modifications; rung 4's serve the rest."""
+    chosen, spec = registry.choose(_variant("bwd", d, dv, arch, features))
+    assert (chosen.name, spec.source, spec.arch) == (family, source, arch)
+
+
+@pytest.mark.parametrize("arch, d, dtype, features, rung", [
+    ("sm_90a", 128, BF16, (), "pipelined"),
+    ("sm_80", 256, torch.float16, ("softcap", "alibi", "varlen"), "pipelined"),
+    ("sm_90a", 64, torch.float32, (), "tiled"),          # fp32: the tensor-core rungs take 16-bit types only
+    ("sm_90a", 256, torch.float32, (), "fused"),         # rung 2 stops at head dim 128
+    ("sm_75", 64, torch.float16, (), "tiled"),           # Turing: mma.sync m16n8k16 needs sm_80
+])
+def test_forward_family_choice(arch, d, dtype, features, rung):
+    chosen, _ = registry.choose(_variant("fwd", d, d, arch, features, dtype))
+    assert chosen.name == rung and chosen in ladder.RUNGS
+
+
+def test_no_family_names_every_reason():
+    """A variant nothing serves raises with each family's reason."""
+    with pytest.raises(ValueError) as err:
+        registry.choose(_variant("bwd", 64, 64, "sm_75"))
+    message = str(err.value)
+    assert "no kernel serves" in message
+    assert all(f"'{f.name}'" in message for f in backward.FAMILIES)
+
+
+def test_reasons_are_asked_fastest_first_and_name_the_cause():
+    answers = registry.reasons(_variant("fwd", 128, 128, "sm_90a", ("softcap",)))
+    assert [f.rung for f, _ in answers] == [4, 3, 2, 1, 0]
+    why = dict((f.name, reason) for f, reason in answers)
+    assert why["pipelined"] is None
+    assert "softcap" in why["mma"] and "softcap" in why["naive"]
+
+
+def test_a_named_rung_that_cannot_serve_says_why():
+    with pytest.raises(ValueError, match="head_dim up to 128"):
+        registry.choose(_variant("fwd", 256, 256, "sm_90a"), "mma")
+    with pytest.raises(ValueError, match="rung must be"):
+        registry.choose(_variant("fwd", 64, 64, "sm_90a"), "fastest")
+
+
+def test_variant_of_a_problem():
+    q = torch.randn(2, 5, 4, 40)
+    k = torch.randn(2, 9, 2, 40)
+    v = torch.randn(2, 9, 2, 24)
+    problem = FwdProblem(q, k, v, 0.1, (-1, 0), softcap=3.0)  # causal is no window: every kernel serves it
+    variant = Variant.of(problem, "fwd", "sm_90a")
+    assert variant.features == {"softcap"}
+    assert Variant.of(FwdProblem(q, k, v, 0.1, (7, 0)), "fwd", "sm_90a").features == {"window"}
+    assert (variant.head_dim, variant.head_dim_v, variant.shape) == (40, 24, "decode")
+    long = FwdProblem(torch.randn(2, 300, 4, 40), k, v, 0.1, (-1, -1))
+    assert Variant.of(long, "bwd", "sm_80").shape == "prefill"
+
+
+@pytest.mark.parametrize("arch, d, dv, features, tma", [
+    ("sm_90a", 128, 128, (), True),
+    ("sm_90a", 120, 64, (), True),                    # padded to 128: the maps zero-fill the rest
+    ("sm_90a", 64, 64, (), True),
+    ("sm_90a", 256, 256, (), False),                  # K and V take turns in one buffer each: cp.async
+    ("sm_90a", 128, 128, ("softcap",), False),
+    ("sm_80", 128, 128, (), False),                   # no tensor memory accelerator before Hopper
+])
+def test_forward_kv_loads(arch, d, dv, features, tma):
+    """The forward's K/V ring is fed by TMA on Hopper's d64/d128 tiles and by cp.async everywhere else. Every rung-4
+    build declares the tensor maps as its second argument (empty ones for cp.async); the lower rungs take none."""
+    _, spec = registry.choose(_variant("fwd", d, dv, arch, features))
+    assert spec.kv_maps
+    assert specs.kv_box_rows(spec) == (dict(spec.defines)["FT_BLOCK_N"] if tma else 0)
+    if d <= max(specs.MMA_HEAD_DIMS):
+        assert not registry.choose(_variant("fwd", d, dv, arch), "mma")[1].kv_maps
+
+
+def test_all_specs_cover_what_each_family_compiles():
+    found = registry.all_specs("sm_90a")
+    assert len(found) == len(set(found))
+    sources = {s.source for s in found}
+    assert {"ladder/r0_naive.cu", "ladder/r1_fused.cu", "ladder/r2_tiled.cu", "ladder/r3_mma.cu", "sm80/fwd.cu",
+            "sm80/bwd.cu", "sm80/bwd_grid.cu", "sm90/bwd.cu"} <= sources
+    assert not any(s.source == "sm90/bwd.cu" for s in registry.all_specs("sm_80"))
+
+
+def test_geometry_constants_reach_the_kernels_as_defines():
+    """Block shapes that the host's grids depend on come from specs.py as defines, never mirrored by hand."""
+    naive = specs.naive_spec("bf16", "sm_80")
+    assert dict(naive.defines)["FT_THREADS"] == specs.NAIVE_THREADS
+    for spec in registry.all_specs("sm_90a"):
+        defines = dict(spec.defines)
+        if "attn_bwd_preprocess" in spec.entries:
+            assert (defines["FT_ROW_WARPS"], defines["FT_PREPROCESS_ROWS"]) == (specs.ROW_WARPS, specs.PREPROCESS_ROWS)
