@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import flashtile
-from flashtile import backward, jit, specs
+from flashtile import api, jit, registry, specs
+from flashtile.family import Variant
 from flashtile.bench import measure, peers
 
 CANDIDATES = {  # head_dim -> [(block_m, block_n, stages)] for bwd.cu
@@ -38,14 +39,15 @@ ORIGINAL = specs.bwd_grid_tile, specs.bwd_tile, specs.bwd_wgmma_tile
 
 
 def _use(tile=None, grid_tile=None, wgmma_tile=None):
-    """Make bwd_spec pick exactly this tile of one kernel (no arguments: the library's own choice)."""
+    """Make the registry pick exactly this tile of one kernel (no arguments: the library's own choice)."""
     if not (tile or grid_tile or wgmma_tile):
         specs.bwd_grid_tile, specs.bwd_tile, specs.bwd_wgmma_tile = ORIGINAL
     else:
         specs.bwd_grid_tile = lambda head_dim, arch, score_mods=False: grid_tile
         specs.bwd_tile = (lambda head_dim, arch, score_mods=False: tile) if tile else ORIGINAL[1]
         specs.bwd_wgmma_tile = lambda d, dv, arch, score_mods=False: wgmma_tile
-    backward._modules.clear()
+    registry.choose.cache_clear()
+    api._calls.clear()
 
 
 def main(dims):
@@ -67,7 +69,7 @@ def main(dims):
             cases += [("wgmma", c, None, None, specs.BwdWgmmaTile(*c, "candidate")) for c in WGMMA_CANDIDATES[d]]
             for kernel, cand, tile, grid_tile, wgmma_tile in cases:
                 _use(tile, grid_tile, wgmma_tile)
-                spec = specs.bwd_spec("bf16", d, d, "sm_90a")
+                _, spec = registry.choose(Variant("bwd", torch.bfloat16, d, d, frozenset(), "sm_90a"))
                 if spec.smem_bytes > specs.SMEM_LIMIT["sm_90a"]:
                     continue
                 res = jit.compile_spec(spec).resources[spec.entries[1]]

@@ -29,7 +29,7 @@ SEQLENS = (1024, 4096, 16384)
 def spec_of(d, bm, bn, warps, stages, min_blocks, wide=0, tma=0):
     tile = specs.Tile(bm, bn, warps, stages, min_blocks, "candidate", bool(wide), bool(tma))
     return KernelSpec(specs.PIPELINED_SOURCE, ("attn_fwd",), "bf16", "sm_90a", specs.fwd_defines(d, d, tile),
-                      specs.fwd_smem(d, d, tile))
+                      specs.fwd_smem(d, d, tile), kv_maps=True)
 
 
 def main(dims):
@@ -52,7 +52,7 @@ def main(dims):
                     res = jit.compile_spec(spec).resources["attn_fwd"]
                     module = launch.load(spec, 0)
                     problem = FwdProblem(q, k, v, d**-0.5, (-1, 0) if causal else (-1, -1))
-                    run = partial(ladder.BY_NAME["pipelined"].launch, problem, module)
+                    run = partial(ladder.BY_NAME["pipelined"].plan(problem, module).run, q, k, v)
                     # A fast tile is no use if it is wrong: its largest difference from sdpa-flash rides along.
                     error = (run()[0].float() - expected).abs().max().item()
                     ms = measure.time_cuda(run)

@@ -108,8 +108,8 @@ MAX_CALLS = 4096  # inference over ever-new shapes (e.g. a growing KV length) mu
 def _signature(q, k, v, options: tuple) -> tuple | None:
     try:
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-               v.shape, v.stride(), v.dtype, v.device, grad, options)
+        key = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype, k.get_device(),
+               v.shape, v.stride(), v.dtype, v.get_device(), grad, options)
         hash(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable option: the full path says what is wrong
         return None

@@ -154,6 +154,17 @@ class _ParamsBuffer(threading.local):
 
 
 _params_buffer = _ParamsBuffer()
+_driver_module = None
+
+
+def _driver():
+    """cuda.bindings' driver module, imported once (the hot path then pays no import statement)."""
+    global _driver_module
+    if _driver_module is None:
+        from cuda.bindings import driver
+
+        _driver_module = driver
+    return _driver_module
 _SAME_DEVICE = contextlib.nullcontext()
 
 
@@ -171,8 +182,7 @@ def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: i
 def run(launches: tuple[Launch, ...], params: tuple, layout: struct.Struct = PARAMS_STRUCT,
         extra: bytes | None = None) -> None:
     """Queue `launches` in order on the current stream, all with one params struct (packed once)."""
-    from cuda.bindings import driver
-
+    driver = _driver()
     args = _params_buffer
     layout.pack_into(args.buffer, 0, *params)
     argv = args.argv_address

@@ -55,8 +55,12 @@ class FwdPlan:
         check): the plan's kernels read them with 16-byte vector loads."""
         o, lse = empty_outputs(q, self.out_shape, self.lse_shape)
         scratch = torch.empty(self.scratch_floats, dtype=FP32, device=q.device) if self.scratch_floats else None
-        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), _address(lse), _address(scratch),
-                     _address(cu_seqlens_q), _address(cu_seqlens_k), _address(alibi_slopes))
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                     0 if scratch is None else scratch.data_ptr())
+        if cu_seqlens_q is None and alibi_slopes is None:  # the common call: dense, no ALiBi
+            addresses += (0, 0, 0)
+        else:
+            addresses += (_address(cu_seqlens_q), _address(cu_seqlens_k), _address(alibi_slopes))
         extra = None if self.kv_box_rows is None else tma.kernel_argument(k, v, self.kv_box_rows)
         launch.run(self.launches, addresses + self.tail, launch.PARAMS_STRUCT, extra)
         return o, lse
