@@ -1,7 +1,10 @@
-"""Run-time compilation: the params struct layout, the disk cache, locking, corruption, errors."""
+"""Run-time compilation: the params struct layout, the disk cache, locking, corruption, faults, threads, errors."""
 
 import multiprocessing
+import os
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -129,3 +132,42 @@ def test_two_processes_compile_one_spec_once(cache_dir):
         assert child.exitcode == 0
     assert origins == ["disk", "nvrtc"]
     assert len([p for p in cache_dir.iterdir() if p.suffix == ".cubin"]) == 1
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# Threads
+# ---------------------------------------------------------------------------------------------------
+
+_THREADS_CHILD = """
+import threading
+from flashtile import jit, specs
+
+todo = [specs.naive_spec("f32", "sm_80"), specs.naive_spec("f16", "sm_90a"), specs.naive_spec("bf16", "sm_80"),
+        specs.fused_spec("f32", 64, "sm_90a"), specs.fused_spec("bf16", 64, "sm_80"),
+        specs.fused_spec("f16", 128, "sm_90a"), specs.tiled_spec("f32", 64, "sm_80"),
+        specs.tiled_spec("bf16", 64, "sm_90a")]
+assert len(set(todo)) == len(todo)
+errors = []
+
+def work(spec):
+    try:
+        jit.compile_spec(spec)
+    except Exception as exc:
+        errors.append(f"{spec.name}: {exc!r}")
+
+threads = [threading.Thread(target=work, args=(spec,)) for spec in todo]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+assert not errors, errors
+"""
+
+
+def test_threads_compile_different_specs_in_a_fresh_process(tmp_path):
+    """The first import of cuda.core from several threads at once must not fail."""
+    env = {**os.environ, "FLASHTILE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _THREADS_CHILD], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -14,16 +14,19 @@ architectures.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import json
 import os
 import re
 import struct
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 
 from filelock import FileLock
 
@@ -75,9 +78,28 @@ def cache_dir() -> Path:
     return Path(base) / "flashtile"
 
 
+_cuda_modules: dict[str, ModuleType] = {}
+_CUDA_IMPORT_LOCK = threading.Lock()
+
+
+def cuda_module(name: str) -> ModuleType:
+    """The module `name` of cuda.core or cuda.bindings, imported safely from any thread.
+
+    cuda.core's ``__init__`` copies its cu12/cu13 submodule's namespace, ``__spec__`` included, over its own,
+    so Python stops seeing it as half-imported: a second thread importing it meanwhile gets ImportError. Every
+    flashtile import of these packages goes through here, and the first one holds a lock.
+    """
+    module = _cuda_modules.get(name)
+    if module is None:
+        with _CUDA_IMPORT_LOCK:
+            module = _cuda_modules.get(name) or importlib.import_module(name)
+            _cuda_modules[name] = module
+    return module
+
+
 @cache
 def nvrtc_version() -> tuple[int, int]:
-    from cuda.bindings import nvrtc
+    nvrtc = cuda_module("cuda.bindings.nvrtc")
 
     err, major, minor = nvrtc.nvrtcVersion()
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
@@ -187,10 +209,9 @@ def parse_resources(log: str, cubin: bytes, entries: tuple[str, ...]) -> dict[st
 
 
 def _nvrtc_compile(spec: KernelSpec) -> tuple[bytes, str]:
-    from cuda.core import Program, ProgramOptions
-
+    core = cuda_module("cuda.core")
     source = (KERNEL_ROOT / spec.source).read_text()
-    program = Program(source, "c++", ProgramOptions(**compile_options(spec)))
+    program = core.Program(source, "c++", core.ProgramOptions(**compile_options(spec)))
     log = io.StringIO()
     try:
         obj = program.compile("cubin", logs=log)

@@ -92,7 +92,7 @@ _loaded: dict[tuple[KernelSpec, int], LoadedModule] = {}
 
 
 def _check(result, what: str):
-    from cuda.bindings import driver
+    driver = jit.cuda_module("cuda.bindings.driver")
 
     err = result[0]
     if err != driver.CUresult.CUDA_SUCCESS:
@@ -106,8 +106,9 @@ def load(spec: KernelSpec, device: int) -> LoadedModule:
     key = (spec, device)
     if key in _loaded:
         return _loaded[key]
-    from cuda.bindings import driver
-    from cuda.core import Device, ObjectCode
+    driver = jit.cuda_module("cuda.bindings.driver")
+    cuda_core = jit.cuda_module("cuda.core")
+    Device, ObjectCode = cuda_core.Device, cuda_core.ObjectCode
 
     module = jit.compile_spec(spec)
     # Load into the device's primary context (shared with torch); torch.cuda.device puts the caller's current
@@ -156,7 +157,7 @@ def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: i
     backward kernels take BWD_PARAMS_STRUCT and BWD_PARAM_FIELDS. `extra` is the raw bytes of a second
     argument (the forward's tensor maps, flashtile/tma.py).
     """
-    from cuda.bindings import driver
+    driver = jit.cuda_module("cuda.bindings.driver")
 
     if smem > kernel.max_dynamic_smem:
         _check(driver.cuFuncSetAttribute(
