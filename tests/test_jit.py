@@ -134,6 +134,29 @@ def test_two_processes_compile_one_spec_once(cache_dir):
     assert len([p for p in cache_dir.iterdir() if p.suffix == ".cubin"]) == 1
 
 
+# ---------------------------------------------------------------------------------------------------
+# The disk cache: home folder, umask, bad entries, faults (a warning, never a failed call), locks, stale files.
+# ---------------------------------------------------------------------------------------------------
+
+SMALL = specs.naive_spec("f32", "sm_80")
+OTHER_SMALL = specs.naive_spec("f16", "sm_80")
+
+
+@pytest.mark.parametrize("variable, value, expected", [
+    ("FLASHTILE_CACHE_DIR", "~/kernels", "kernels"),
+    ("XDG_CACHE_HOME", "~/xdg", "xdg/flashtile"),
+])
+def test_cache_dir_expands_the_home_folder(cache_dir, tmp_path, monkeypatch, variable, value, expected):
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("FLASHTILE_CACHE_DIR")
+    monkeypatch.setenv(variable, value)
+    monkeypatch.chdir(work)
+    assert jit.cache_dir() == home / expected
+    jit.compile_spec(SMALL)
+    assert (home / expected).is_dir() and list(work.iterdir()) == []
+
 
 # ---------------------------------------------------------------------------------------------------
 # Threads

@@ -70,12 +70,12 @@ class CompiledModule:
 
 
 def cache_dir() -> Path:
-    """$FLASHTILE_CACHE_DIR, else $XDG_CACHE_HOME/flashtile, else ~/.cache/flashtile."""
+    """$FLASHTILE_CACHE_DIR, else $XDG_CACHE_HOME/flashtile, else ~/.cache/flashtile (a leading ~ is expanded)."""
     override = os.environ.get("FLASHTILE_CACHE_DIR")
     if override:
-        return Path(override)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "flashtile"
+        return Path(override).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(base).expanduser() / "flashtile"
 
 
 _cuda_modules: dict[str, ModuleType] = {}
