@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import stat
 import struct
 import subprocess
 import sys
@@ -140,6 +141,18 @@ def test_two_processes_compile_one_spec_once(cache_dir):
 
 SMALL = specs.naive_spec("f32", "sm_80")
 OTHER_SMALL = specs.naive_spec("f16", "sm_80")
+
+
+@pytest.mark.parametrize("umask, mode", [(0o002, 0o664), (0o027, 0o640)])
+def test_cache_files_follow_the_umask(cache_dir, umask, mode):
+    """A team's shared cache needs group access: files get 0666 less the umask, like any file the user makes."""
+    old = os.umask(umask)
+    try:
+        jit.compile_spec(SMALL)
+    finally:
+        os.umask(old)
+    modes = {p.suffix: stat.S_IMODE(p.stat().st_mode) for p in cache_dir.iterdir()}
+    assert modes == {".cubin": mode, ".json": mode, ".lock": mode}
 
 
 @pytest.mark.parametrize("variable, value, expected", [

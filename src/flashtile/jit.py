@@ -20,9 +20,9 @@ import json
 import os
 import re
 import struct
-import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -35,6 +35,8 @@ from .specs import KernelSpec
 KERNEL_ROOT = Path(__file__).parent / "kernels"
 _CACHE_FORMAT = 1  # bump when the entry layout changes
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+_FILE_MODE = 0o666       # new cache files ask for this; the umask takes away the rest, as for any user file
+_TEMP_SUFFIX = ".tmp"
 
 
 class CompileError(RuntimeError):
@@ -223,13 +225,16 @@ def _nvrtc_compile(spec: KernelSpec) -> tuple[bytes, str]:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    """Write `path` whole or not at all: a temporary file beside it, then a rename. Its mode is
+    :data:`_FILE_MODE` less the umask, so a team's shared cache works like any folder the team shares."""
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{_TEMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
 
 
