@@ -1,5 +1,6 @@
 """Run-time compilation: the params struct layout, the disk cache, locking, corruption, faults, threads, errors."""
 
+import json
 import multiprocessing
 import os
 import stat
@@ -169,6 +170,32 @@ def test_cache_dir_expands_the_home_folder(cache_dir, tmp_path, monkeypatch, var
     assert jit.cache_dir() == home / expected
     jit.compile_spec(SMALL)
     assert (home / expected).is_dir() and list(work.iterdir()) == []
+
+
+def _set_resource(field, value):
+    def mutate(meta):
+        next(iter(meta["resources"].values()))[field] = value
+    return mutate
+
+
+@pytest.mark.parametrize("mutate", [
+    _set_resource("registers", "lots"),
+    _set_resource("spill_loads", -1),
+    _set_resource("stack_frame", 1.5),
+    _set_resource("barriers", True),
+    lambda meta: meta.update(log=5),
+    lambda meta: meta.update(spec=None),
+    lambda meta: meta["resources"].popitem(),
+], ids=["registers-str", "spill-negative", "frame-float", "barriers-bool", "log-int", "spec-none", "kernel-missing"])
+def test_entry_with_wrong_field_types_is_rebuilt(cache_dir, mutate):
+    good = jit.compile_spec(SMALL)
+    entry = next(p for p in cache_dir.iterdir() if p.suffix == ".json")
+    meta = json.loads(entry.read_text())
+    mutate(meta)
+    entry.write_text(json.dumps(meta))
+    jit.clear_memo()
+    rebuilt = jit.compile_spec(SMALL)
+    assert rebuilt.origin == "nvrtc" and rebuilt.resources == good.resources
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ architectures.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import io
@@ -238,17 +239,32 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+_ENTRY_TYPES = {"key": str, "spec": str, "sha256": str, "log": str, "resources": dict}
+_RESOURCE_FIELDS = {f.name for f in dataclasses.fields(KernelResources)}
+
+
+def _entry_is_valid(meta: object, key: str, entries: tuple[str, ...]) -> bool:
+    """Whether a JSON entry has every field with its type, `key`, and for each of `entries` every resource
+    as a non-negative int."""
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(f), t) for f, t in _ENTRY_TYPES.items()):
+        return False
+    resources = meta["resources"]
+    return meta["key"] == key and set(resources) == set(entries) and all(
+        isinstance(r, dict) and set(r) == _RESOURCE_FIELDS and all(type(v) is int and v >= 0 for v in r.values())
+        for r in resources.values())
+
+
 def _read_entry(stem: Path, spec: KernelSpec, key: str) -> CompiledModule | None:
-    """The cached module, or None if the entry is missing, truncated or corrupt."""
+    """The cached module, or None if the entry is missing, truncated, corrupt or of the wrong shape."""
     try:
         meta = json.loads(stem.with_suffix(".json").read_text())
         cubin = stem.with_suffix(".cubin").read_bytes()
-        if meta["key"] != key or hashlib.sha256(cubin).hexdigest() != meta["sha256"]:
-            return None
-        resources = {name: KernelResources(**r) for name, r in meta["resources"].items()}
-        return CompiledModule(spec, cubin, resources, meta["log"], origin="disk", key=key)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
+    if not _entry_is_valid(meta, key, spec.entries) or hashlib.sha256(cubin).hexdigest() != meta["sha256"]:
+        return None
+    resources = {name: KernelResources(**r) for name, r in meta["resources"].items()}
+    return CompiledModule(spec, cubin, resources, meta["log"], origin="disk", key=key)
 
 
 _memo: dict[KernelSpec, CompiledModule] = {}
