@@ -1,5 +1,6 @@
 """Run-time compilation: the params struct layout, the disk cache, locking, corruption, faults, threads, errors."""
 
+import errno
 import json
 import multiprocessing
 import os
@@ -142,6 +143,73 @@ def test_two_processes_compile_one_spec_once(cache_dir):
 
 SMALL = specs.naive_spec("f32", "sm_80")
 OTHER_SMALL = specs.naive_spec("f16", "sm_80")
+
+
+def _cache_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, jit.CacheWarning)]
+
+
+def test_cache_path_that_is_a_file_warns_once_and_compiles(cache_dir, recwarn):
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    cache_dir.write_text("not a folder")
+    assert jit.compile_spec(SMALL).origin == "nvrtc"
+    assert jit.compile_spec(OTHER_SMALL).origin == "nvrtc"
+    messages = _cache_warnings(recwarn)
+    assert len(messages) == 1, messages
+    assert str(cache_dir) in messages[0] and "creating the folder" in messages[0]
+
+
+def test_cache_that_refuses_the_lock_warns_and_compiles(cache_dir, monkeypatch, recwarn):
+    """Another user's cache: its entries may be readable, but we cannot create a lock file there."""
+    class Refused(jit.FileLock):
+        def acquire(self, *args, **kwargs):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), self.lock_file)
+
+    monkeypatch.setattr(jit, "FileLock", Refused)
+    assert jit.compile_spec(SMALL).origin == "nvrtc"
+    assert jit.compile_spec(OTHER_SMALL).origin == "nvrtc"
+    messages = _cache_warnings(recwarn)
+    assert len(messages) == 1, messages
+    assert str(cache_dir) in messages[0] and "Permission denied" in messages[0]
+
+
+def test_full_disk_warns_and_compiles(cache_dir, monkeypatch, recwarn):
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(jit, "_atomic_write", full)
+    assert jit.compile_spec(SMALL).origin == "nvrtc"
+    assert jit.compile_spec(OTHER_SMALL).origin == "nvrtc"
+    messages = _cache_warnings(recwarn)
+    assert len(messages) == 1, messages
+    assert str(cache_dir) in messages[0] and os.strerror(errno.ENOSPC) in messages[0]
+
+
+def _permissions_bind(folder) -> bool:
+    """Whether a read-only folder stops us writing (it does not for root with CAP_DAC_OVERRIDE)."""
+    probe = folder / "probe"
+    probe.mkdir()
+    probe.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        (probe / "file").touch()
+    except PermissionError:
+        return True
+    finally:
+        probe.chmod(stat.S_IRWXU)
+    return False
+
+
+def test_read_only_cache_dir_warns_and_compiles(cache_dir, tmp_path, recwarn):
+    if not _permissions_bind(tmp_path):
+        pytest.skip("running as root: a read-only folder does not stop us writing (the monkeypatched tests cover it)")
+    cache_dir.mkdir()
+    cache_dir.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        assert jit.compile_spec(SMALL).origin == "nvrtc"
+    finally:
+        cache_dir.chmod(stat.S_IRWXU)
+    messages = _cache_warnings(recwarn)
+    assert len(messages) == 1 and str(cache_dir) in messages[0], messages
 
 
 @pytest.mark.parametrize("umask, mode", [(0o002, 0o664), (0o027, 0o640)])

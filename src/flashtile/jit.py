@@ -7,6 +7,10 @@ last and carries the cubin's SHA-256, so a crash mid-write, a truncated or a cor
 and the entry is rebuilt. The key hashes the source, every header it includes, the compile options,
 the architecture and the NVRTC version.
 
+The cache only ever saves time: a folder that cannot be created, locked or written (read-only, another
+user's, a full disk, a path that is a file) costs a :class:`CacheWarning` and the call returns the module
+compiled in memory.
+
 Compilation needs no GPU: NVRTC runs on the CPU, which is how CI compiles every kernel for several
 architectures.
 """
@@ -24,6 +28,7 @@ import struct
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -38,6 +43,10 @@ _CACHE_FORMAT = 1  # bump when the entry layout changes
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 _FILE_MODE = 0o666       # new cache files ask for this; the umask takes away the rest, as for any user file
 _TEMP_SUFFIX = ".tmp"
+
+
+class CacheWarning(RuntimeWarning):
+    """The disk cache could not be used; the kernel was compiled in memory and works, only uncached."""
 
 
 class CompileError(RuntimeError):
@@ -225,6 +234,23 @@ def _nvrtc_compile(spec: KernelSpec) -> tuple[bytes, str]:
     return bytes(obj.code), log.getvalue().replace("\x00", "")
 
 
+def _build(spec: KernelSpec, key: str) -> CompiledModule:
+    cubin, log = _nvrtc_compile(spec)
+    return CompiledModule(spec, cubin, parse_resources(log, cubin, spec.entries), log, origin="nvrtc", key=key)
+
+
+_warned: set[tuple[str, str, int | None]] = set()
+
+
+def _cache_fault(folder: Path, doing: str, exc: OSError) -> None:
+    """Warn that the cache at `folder` failed while `doing` something: once per process for each cause."""
+    cause = (str(folder), doing, exc.errno)
+    if cause not in _warned:
+        _warned.add(cause)
+        warnings.warn(f"flashtile kernel cache {folder}: {doing} failed ({exc}); kernels are compiled in memory "
+                      f"and not cached", CacheWarning)
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     """Write `path` whole or not at all: a temporary file beside it, then a rename. Its mode is
     :data:`_FILE_MODE` less the umask, so a team's shared cache works like any folder the team shares."""
@@ -237,6 +263,17 @@ def _atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _store(stem: Path, module: CompiledModule) -> None:
+    """Write the entry: the cubin, then the JSON that vouches for it. A failure is a warning."""
+    meta = {"key": module.key, "spec": module.spec.name, "sha256": hashlib.sha256(module.cubin).hexdigest(),
+            "resources": {n: dataclasses.asdict(r) for n, r in module.resources.items()}, "log": module.log}
+    try:
+        _atomic_write(stem.with_suffix(".cubin"), module.cubin)
+        _atomic_write(stem.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+    except OSError as exc:
+        _cache_fault(stem.parent, "writing an entry", exc)
 
 
 _ENTRY_TYPES = {"key": str, "spec": str, "sha256": str, "log": str, "resources": dict}
@@ -267,6 +304,30 @@ def _read_entry(stem: Path, spec: KernelSpec, key: str) -> CompiledModule | None
     return CompiledModule(spec, cubin, resources, meta["log"], origin="disk", key=key)
 
 
+def _compile_and_store(spec: KernelSpec, key: str, stem: Path, use_cache: bool) -> CompiledModule:
+    """NVRTC under the spec's file lock, the entry written; the module alone when the cache cannot be used."""
+    folder = stem.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _cache_fault(folder, "creating the folder", exc)
+        return _build(spec, key)
+    lock = FileLock(str(stem) + ".lock")
+    try:
+        lock.acquire()
+    except OSError as exc:
+        _cache_fault(folder, "taking a lock", exc)
+        return _build(spec, key)
+    try:
+        module = _read_entry(stem, spec, key) if use_cache else None
+        if module is None:
+            module = _build(spec, key)
+            _store(stem, module)
+        return module
+    finally:
+        lock.release()
+
+
 _memo: dict[KernelSpec, CompiledModule] = {}
 
 
@@ -276,21 +337,10 @@ def compile_spec(spec: KernelSpec, *, use_cache: bool = True) -> CompiledModule:
     if use_cache and spec in _memo:
         return _memo[spec]
     key = cache_key(spec)
-    folder = cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"{spec.name}-{key}"
+    stem = cache_dir() / f"{spec.name}-{key}"
     module = _read_entry(stem, spec, key) if use_cache else None
     if module is None:
-        with FileLock(str(stem) + ".lock"):
-            module = _read_entry(stem, spec, key) if use_cache else None
-            if module is None:
-                cubin, log = _nvrtc_compile(spec)
-                module = CompiledModule(spec, cubin, parse_resources(log, cubin, spec.entries), log, origin="nvrtc",
-                                        key=key)
-                meta = {"key": key, "spec": spec.name, "sha256": hashlib.sha256(cubin).hexdigest(),
-                        "resources": {n: r.__dict__ for n, r in module.resources.items()}, "log": log}
-                _atomic_write(stem.with_suffix(".cubin"), cubin)
-                _atomic_write(stem.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+        module = _compile_and_store(spec, key, stem, use_cache)
     module.seconds = time.perf_counter() - start
     _memo[spec] = module
     return module
