@@ -8,7 +8,9 @@ import stat
 import struct
 import subprocess
 import sys
+import time
 
+import filelock
 import pytest
 
 from flashtile import jit, launch, specs
@@ -238,6 +240,33 @@ def test_cache_dir_expands_the_home_folder(cache_dir, tmp_path, monkeypatch, var
     assert jit.cache_dir() == home / expected
     jit.compile_spec(SMALL)
     assert (home / expected).is_dir() and list(work.iterdir()) == []
+
+
+LOCK_HOLD_S = 30  # how long the other process holds the lock: the test fails rather than hangs without a timeout
+
+
+def test_a_busy_lock_is_announced_then_skipped(cache_dir, monkeypatch, capsys, recwarn):
+    cache_dir.mkdir()
+    lock = cache_dir / f"{SMALL.name}-{jit.cache_key(SMALL)}.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from filelock import FileLock; held = FileLock(sys.argv[1]); "
+         "held.acquire(); print('held', flush=True); time.sleep(float(sys.argv[2]))", str(lock), str(LOCK_HOLD_S)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(filelock.Timeout):
+            filelock.FileLock(str(lock)).acquire(timeout=0)
+        monkeypatch.setattr(jit, "LOCK_NOTICE_S", 0.2)
+        monkeypatch.setattr(jit, "LOCK_TIMEOUT_S", 1.0)
+        assert jit.compile_spec(SMALL).origin == "nvrtc"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"waiting for the kernel cache lock at {lock}" in capsys.readouterr().err
+    messages = _cache_warnings(recwarn)
+    assert len(messages) == 1 and "gave up waiting" in messages[0] and str(lock) in messages[0], messages
+    jit.clear_memo()
+    assert jit.compile_spec(SMALL).origin == "disk"  # written anyway, atomically
 
 
 def _set_resource(field, value):

@@ -9,7 +9,7 @@ the architecture and the NVRTC version.
 
 The cache only ever saves time: a folder that cannot be created, locked or written (read-only, another
 user's, a full disk, a path that is a file) costs a :class:`CacheWarning` and the call returns the module
-compiled in memory.
+compiled in memory. A lock held too long is waited for up to :data:`LOCK_TIMEOUT_S`, then skipped.
 
 Compilation needs no GPU: NVRTC runs on the CPU, which is how CI compiles every kernel for several
 architectures.
@@ -25,6 +25,7 @@ import json
 import os
 import re
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -34,13 +35,15 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from .specs import KernelSpec
 
 KERNEL_ROOT = Path(__file__).parent / "kernels"
 _CACHE_FORMAT = 1  # bump when the entry layout changes
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+LOCK_NOTICE_S = 5.0      # waiting this long for a spec's lock is said on stderr
+LOCK_TIMEOUT_S = 60.0    # waiting this long, we compile without the lock
 _FILE_MODE = 0o666       # new cache files ask for this; the umask takes away the rest, as for any user file
 _TEMP_SUFFIX = ".tmp"
 
@@ -304,6 +307,23 @@ def _read_entry(stem: Path, spec: KernelSpec, key: str) -> CompiledModule | None
     return CompiledModule(spec, cubin, resources, meta["log"], origin="disk", key=key)
 
 
+def _acquire(lock: FileLock) -> bool:
+    """Take `lock`: after :data:`LOCK_NOTICE_S` say on stderr that we wait; after :data:`LOCK_TIMEOUT_S`
+    give up and return False."""
+    notice = min(LOCK_NOTICE_S, LOCK_TIMEOUT_S)
+    try:
+        lock.acquire(timeout=notice)
+        return True
+    except Timeout:
+        print(f"flashtile: waiting for the kernel cache lock at {lock.lock_file}: another compile of this kernel "
+              f"holds it (giving up after {LOCK_TIMEOUT_S:g} s)", file=sys.stderr, flush=True)
+    try:
+        lock.acquire(timeout=LOCK_TIMEOUT_S - notice)
+        return True
+    except Timeout:
+        return False
+
+
 def _compile_and_store(spec: KernelSpec, key: str, stem: Path, use_cache: bool) -> CompiledModule:
     """NVRTC under the spec's file lock, the entry written; the module alone when the cache cannot be used."""
     folder = stem.parent
@@ -314,10 +334,15 @@ def _compile_and_store(spec: KernelSpec, key: str, stem: Path, use_cache: bool) 
         return _build(spec, key)
     lock = FileLock(str(stem) + ".lock")
     try:
-        lock.acquire()
+        held = _acquire(lock)
     except OSError as exc:
         _cache_fault(folder, "taking a lock", exc)
         return _build(spec, key)
+    if not held:
+        # The holder may be stuck for good, so we compile and still write: each file lands whole by rename,
+        # and if another writer's cubin meets our JSON the SHA-256 check rejects the pair and it is rebuilt.
+        warnings.warn(f"flashtile kernel cache: gave up waiting {LOCK_TIMEOUT_S:g} s for the lock at "
+                      f"{lock.lock_file}; compiling without it", CacheWarning)
     try:
         module = _read_entry(stem, spec, key) if use_cache else None
         if module is None:
@@ -325,7 +350,8 @@ def _compile_and_store(spec: KernelSpec, key: str, stem: Path, use_cache: bool) 
             _store(stem, module)
         return module
     finally:
-        lock.release()
+        if held:
+            lock.release()
 
 
 _memo: dict[KernelSpec, CompiledModule] = {}
