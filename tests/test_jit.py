@@ -269,6 +269,17 @@ def test_a_busy_lock_is_announced_then_skipped(cache_dir, monkeypatch, capsys, r
     assert jit.compile_spec(SMALL).origin == "disk"  # written anyway, atomically
 
 
+def test_stale_temporary_files_are_removed(cache_dir):
+    cache_dir.mkdir()
+    stale, fresh = cache_dir / "dead.cubin.0123.tmp", cache_dir / "live.cubin.4567.tmp"
+    for path in (stale, fresh):
+        path.write_bytes(b"half a cubin")
+    old = time.time() - 2 * jit.STALE_TEMP_S
+    os.utime(stale, (old, old))
+    jit.compile_spec(SMALL)
+    assert not stale.exists() and fresh.exists()
+
+
 def _set_resource(field, value):
     def mutate(meta):
         next(iter(meta["resources"].values()))[field] = value

@@ -44,6 +44,7 @@ _CACHE_FORMAT = 1  # bump when the entry layout changes
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 LOCK_NOTICE_S = 5.0      # waiting this long for a spec's lock is said on stderr
 LOCK_TIMEOUT_S = 60.0    # waiting this long, we compile without the lock
+STALE_TEMP_S = 3600.0    # a temporary file this old was left by a writer that died mid-write
 _FILE_MODE = 0o666       # new cache files ask for this; the umask takes away the rest, as for any user file
 _TEMP_SUFFIX = ".tmp"
 
@@ -268,11 +269,23 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def _remove_stale_temps(folder: Path) -> None:
+    """Delete the temporary files of writers that died mid-write (older than :data:`STALE_TEMP_S`)."""
+    cutoff = time.time() - STALE_TEMP_S
+    for path in folder.glob("*" + _TEMP_SUFFIX):
+        try:
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+        except OSError:  # another process removed it first, or it is not ours to remove
+            continue
+
+
 def _store(stem: Path, module: CompiledModule) -> None:
     """Write the entry: the cubin, then the JSON that vouches for it. A failure is a warning."""
     meta = {"key": module.key, "spec": module.spec.name, "sha256": hashlib.sha256(module.cubin).hexdigest(),
             "resources": {n: dataclasses.asdict(r) for n, r in module.resources.items()}, "log": module.log}
     try:
+        _remove_stale_temps(stem.parent)
         _atomic_write(stem.with_suffix(".cubin"), module.cubin)
         _atomic_write(stem.with_suffix(".json"), json.dumps(meta, indent=1).encode())
     except OSError as exc:
