@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 
 _DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "fp16": torch.float16, "f32": torch.float32,
            "fp32": torch.float32}
+_ARCH = re.compile(r"sm_\d{2,3}[af]?")   # NVRTC's real targets: sm_80, sm_90a, sm_100a, sm_120f
 
 
 def _shape(text: str) -> tuple[int, int, int, int]:
@@ -18,6 +20,13 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"--shape must be batch,heads,seqlen,head_dim (positive ints), got {text!r}")
     return tuple(int(p) for p in parts)
+
+
+def _arch(text: str) -> str:
+    if not _ARCH.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"--arch must be sm_ and a compute capability, e.g. sm_80, sm_89, sm_90a, "
+                                         f"sm_100a; got {text!r}")
+    return text
 
 
 def cmd_info(args) -> int:
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="GPU, architecture, driver, NVRTC, cache dir, rungs that run here")
     sub.add_parser("check", help="every rung against the fp64 reference on fresh random inputs")
     p = sub.add_parser("compile", help="precompile every kernel spec for this GPU or --arch")
-    p.add_argument("--arch", help="target such as sm_80, sm_89, sm_90a (default: this GPU)")
+    p.add_argument("--arch", type=_arch, help="target such as sm_80, sm_89, sm_90a (default: this GPU)")
     p = sub.add_parser("bench", help="time flashtile beside torch's SDPA backends")
     p.add_argument("what", nargs="?", default="matrix", choices=["matrix", "ladder"],
                    help="matrix (default): the standard matrix of TARGETS.md; ladder: every rung at one shape")
