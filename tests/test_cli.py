@@ -48,3 +48,21 @@ def test_bad_arch_is_a_one_line_error(arch, capsys, cache_dir):
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90a", "sm_100a", "sm_120f"])
 def test_good_arch_is_accepted(arch):
     assert cli._arch(arch) == arch
+
+
+SMALL_BENCH = ["bench", "ladder", "--shape", "1,2,64,64", "--dtype", "f32", "--reps", "1"]
+
+
+def test_bench_writes_no_files_without_out(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(SMALL_BENCH) == 0
+    assert list(tmp_path.iterdir()) == [] and "wrote" not in capsys.readouterr().out
+
+
+def test_bench_writes_only_where_out_says(tmp_path, monkeypatch):
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert cli.main([*SMALL_BENCH, "--out", str(out)]) == 0
+    assert list(work.iterdir()) == [] and (out / "performance.md").is_file()
+    assert any(p.suffix == ".json" for p in (out / "results").iterdir())

@@ -153,8 +153,9 @@ def cmd_bench(args) -> int:
                                                               flush=True))
     doc["system"] = describe()
     report.print_table(doc)
-    for path in report.save(doc, Path(args.out)):
-        print(f"wrote {path}")
+    if args.out is not None:
+        for path in report.save(doc, Path(args.out)):
+            print(f"wrote {path}")
     return 0
 
 
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--reps", type=int, default=30, help="timed runs per kernel (median reported)")
-    p.add_argument("--out", default="docs", help="docs folder: results/ and performance.md are written there")
+    p.add_argument("--out", help="docs folder to write results/ and performance.md into (default: write no files); "
+                                 "the repository's own docs take --out docs")
     args = parser.parse_args(argv)
     return {"info": cmd_info, "check": cmd_check, "compile": cmd_compile, "bench": cmd_bench}[args.command](args)
