@@ -34,3 +34,35 @@ def test_check_reports_a_wrong_gradient(monkeypatch, capsys):
 def test_bad_shape_is_named():
     with pytest.raises(SystemExit):
         cli.main(["bench", "ladder", "--shape", "4,16,x,64"])
+
+
+@pytest.mark.parametrize("arch", ["foo", "sm80", "sm_8", "90a", "sm_90b", "compute_90"])
+def test_bad_arch_is_a_one_line_error(arch, capsys, cache_dir):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["compile", "--arch", arch])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--arch" in err and repr(arch) in err and "sm_90a" in err
+    assert "Traceback" not in err and not cache_dir.exists()
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90a", "sm_100a", "sm_120f"])
+def test_good_arch_is_accepted(arch):
+    assert cli._arch(arch) == arch
+
+
+SMALL_BENCH = ["bench", "ladder", "--shape", "1,2,64,64", "--dtype", "f32", "--reps", "1"]
+
+
+def test_bench_writes_no_files_without_out(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(SMALL_BENCH) == 0
+    assert list(tmp_path.iterdir()) == [] and "wrote" not in capsys.readouterr().out
+
+
+def test_bench_writes_only_where_out_says(tmp_path, monkeypatch):
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert cli.main([*SMALL_BENCH, "--out", str(out)]) == 0
+    assert list(work.iterdir()) == [] and (out / "performance.md").is_file()
+    assert any(p.suffix == ".json" for p in (out / "results").iterdir())

@@ -1,8 +1,16 @@
-"""Run-time compilation: the params struct layout, the disk cache, locking, corruption, errors."""
+"""Run-time compilation: the params struct layout, the disk cache, locking, corruption, faults, threads, errors."""
 
+import errno
+import json
 import multiprocessing
+import os
+import stat
 import struct
+import subprocess
+import sys
+import time
 
+import filelock
 import pytest
 
 from flashtile import jit, launch, specs
@@ -129,3 +137,208 @@ def test_two_processes_compile_one_spec_once(cache_dir):
         assert child.exitcode == 0
     assert origins == ["disk", "nvrtc"]
     assert len([p for p in cache_dir.iterdir() if p.suffix == ".cubin"]) == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# The disk cache: home folder, umask, bad entries, faults (a warning, never a failed call), locks, stale files.
+# ---------------------------------------------------------------------------------------------------
+
+SMALL = specs.naive_spec("f32", "sm_80")
+OTHER_SMALL = specs.naive_spec("f16", "sm_80")
+
+
+def _cache_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, jit.CacheWarning)]
+
+
+def test_cache_path_that_is_a_file_warns_once_and_compiles(cache_dir, recwarn):
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    cache_dir.write_text("not a folder")
+    assert jit.compile_spec(SMALL).origin == "nvrtc"
+    assert jit.compile_spec(OTHER_SMALL).origin == "nvrtc"
+    messages = _cache_warnings(recwarn)
+    assert len(messages) == 1, messages
+    assert str(cache_dir) in messages[0] and "creating the folder" in messages[0]
+
+
+def test_cache_that_refuses_the_lock_warns_and_compiles(cache_dir, monkeypatch, recwarn):
+    """Another user's cache: its entries may be readable, but we cannot create a lock file there."""
+    class Refused(jit.FileLock):
+        def acquire(self, *args, **kwargs):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), self.lock_file)
+
+    monkeypatch.setattr(jit, "FileLock", Refused)
+    assert jit.compile_spec(SMALL).origin == "nvrtc"
+    assert jit.compile_spec(OTHER_SMALL).origin == "nvrtc"
+    messages = _cache_warnings(recwarn)
+    assert len(messages) == 1, messages
+    assert str(cache_dir) in messages[0] and "Permission denied" in messages[0]
+
+
+def test_full_disk_warns_and_compiles(cache_dir, monkeypatch, recwarn):
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(jit, "_atomic_write", full)
+    assert jit.compile_spec(SMALL).origin == "nvrtc"
+    assert jit.compile_spec(OTHER_SMALL).origin == "nvrtc"
+    messages = _cache_warnings(recwarn)
+    assert len(messages) == 1, messages
+    assert str(cache_dir) in messages[0] and os.strerror(errno.ENOSPC) in messages[0]
+
+
+def _permissions_bind(folder) -> bool:
+    """Whether a read-only folder stops us writing (it does not for root with CAP_DAC_OVERRIDE)."""
+    probe = folder / "probe"
+    probe.mkdir()
+    probe.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        (probe / "file").touch()
+    except PermissionError:
+        return True
+    finally:
+        probe.chmod(stat.S_IRWXU)
+    return False
+
+
+def test_read_only_cache_dir_warns_and_compiles(cache_dir, tmp_path, recwarn):
+    if not _permissions_bind(tmp_path):
+        pytest.skip("running as root: a read-only folder does not stop us writing (the monkeypatched tests cover it)")
+    cache_dir.mkdir()
+    cache_dir.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        assert jit.compile_spec(SMALL).origin == "nvrtc"
+    finally:
+        cache_dir.chmod(stat.S_IRWXU)
+    messages = _cache_warnings(recwarn)
+    assert len(messages) == 1 and str(cache_dir) in messages[0], messages
+
+
+@pytest.mark.parametrize("umask, mode", [(0o002, 0o664), (0o027, 0o640)])
+def test_cache_files_follow_the_umask(cache_dir, umask, mode):
+    """A team's shared cache needs group access: files get 0666 less the umask, like any file the user makes."""
+    old = os.umask(umask)
+    try:
+        jit.compile_spec(SMALL)
+    finally:
+        os.umask(old)
+    modes = {p.suffix: stat.S_IMODE(p.stat().st_mode) for p in cache_dir.iterdir()}
+    assert modes == {".cubin": mode, ".json": mode, ".lock": mode}
+
+
+@pytest.mark.parametrize("variable, value, expected", [
+    ("FLASHTILE_CACHE_DIR", "~/kernels", "kernels"),
+    ("XDG_CACHE_HOME", "~/xdg", "xdg/flashtile"),
+])
+def test_cache_dir_expands_the_home_folder(cache_dir, tmp_path, monkeypatch, variable, value, expected):
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("FLASHTILE_CACHE_DIR")
+    monkeypatch.setenv(variable, value)
+    monkeypatch.chdir(work)
+    assert jit.cache_dir() == home / expected
+    jit.compile_spec(SMALL)
+    assert (home / expected).is_dir() and list(work.iterdir()) == []
+
+
+LOCK_HOLD_S = 30  # how long the other process holds the lock: the test fails rather than hangs without a timeout
+
+
+def test_a_busy_lock_is_announced_then_skipped(cache_dir, monkeypatch, capsys, recwarn):
+    cache_dir.mkdir()
+    lock = cache_dir / f"{SMALL.name}-{jit.cache_key(SMALL)}.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from filelock import FileLock; held = FileLock(sys.argv[1]); "
+         "held.acquire(); print('held', flush=True); time.sleep(float(sys.argv[2]))", str(lock), str(LOCK_HOLD_S)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(filelock.Timeout):
+            filelock.FileLock(str(lock)).acquire(timeout=0)
+        monkeypatch.setattr(jit, "LOCK_NOTICE_S", 0.2)
+        monkeypatch.setattr(jit, "LOCK_TIMEOUT_S", 1.0)
+        assert jit.compile_spec(SMALL).origin == "nvrtc"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"waiting for the kernel cache lock at {lock}" in capsys.readouterr().err
+    messages = _cache_warnings(recwarn)
+    assert len(messages) == 1 and "gave up waiting" in messages[0] and str(lock) in messages[0], messages
+    jit.clear_memo()
+    assert jit.compile_spec(SMALL).origin == "disk"  # written anyway, atomically
+
+
+def test_stale_temporary_files_are_removed(cache_dir):
+    cache_dir.mkdir()
+    stale, fresh = cache_dir / "dead.cubin.0123.tmp", cache_dir / "live.cubin.4567.tmp"
+    for path in (stale, fresh):
+        path.write_bytes(b"half a cubin")
+    old = time.time() - 2 * jit.STALE_TEMP_S
+    os.utime(stale, (old, old))
+    jit.compile_spec(SMALL)
+    assert not stale.exists() and fresh.exists()
+
+
+def _set_resource(field, value):
+    def mutate(meta):
+        next(iter(meta["resources"].values()))[field] = value
+    return mutate
+
+
+@pytest.mark.parametrize("mutate", [
+    _set_resource("registers", "lots"),
+    _set_resource("spill_loads", -1),
+    _set_resource("stack_frame", 1.5),
+    _set_resource("barriers", True),
+    lambda meta: meta.update(log=5),
+    lambda meta: meta.update(spec=None),
+    lambda meta: meta["resources"].popitem(),
+], ids=["registers-str", "spill-negative", "frame-float", "barriers-bool", "log-int", "spec-none", "kernel-missing"])
+def test_entry_with_wrong_field_types_is_rebuilt(cache_dir, mutate):
+    good = jit.compile_spec(SMALL)
+    entry = next(p for p in cache_dir.iterdir() if p.suffix == ".json")
+    meta = json.loads(entry.read_text())
+    mutate(meta)
+    entry.write_text(json.dumps(meta))
+    jit.clear_memo()
+    rebuilt = jit.compile_spec(SMALL)
+    assert rebuilt.origin == "nvrtc" and rebuilt.resources == good.resources
+
+
+# ---------------------------------------------------------------------------------------------------
+# Threads
+# ---------------------------------------------------------------------------------------------------
+
+_THREADS_CHILD = """
+import threading
+from flashtile import jit, specs
+
+todo = [specs.naive_spec("f32", "sm_80"), specs.naive_spec("f16", "sm_90a"), specs.naive_spec("bf16", "sm_80"),
+        specs.fused_spec("f32", 64, "sm_90a"), specs.fused_spec("bf16", 64, "sm_80"),
+        specs.fused_spec("f16", 128, "sm_90a"), specs.tiled_spec("f32", 64, "sm_80"),
+        specs.tiled_spec("bf16", 64, "sm_90a")]
+assert len(set(todo)) == len(todo)
+errors = []
+
+def work(spec):
+    try:
+        jit.compile_spec(spec)
+    except Exception as exc:
+        errors.append(f"{spec.name}: {exc!r}")
+
+threads = [threading.Thread(target=work, args=(spec,)) for spec in todo]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+assert not errors, errors
+"""
+
+
+def test_threads_compile_different_specs_in_a_fresh_process(tmp_path):
+    """The first import of cuda.core from several threads at once must not fail."""
+    env = {**os.environ, "FLASHTILE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _THREADS_CHILD], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

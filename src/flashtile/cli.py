@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 
 _DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "fp16": torch.float16, "f32": torch.float32,
            "fp32": torch.float32}
+_ARCH = re.compile(r"sm_\d{2,3}[af]?")   # NVRTC's real targets: sm_80, sm_90a, sm_100a, sm_120f
 
 
 def _shape(text: str) -> tuple[int, int, int, int]:
@@ -18,6 +20,13 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"--shape must be batch,heads,seqlen,head_dim (positive ints), got {text!r}")
     return tuple(int(p) for p in parts)
+
+
+def _arch(text: str) -> str:
+    if not _ARCH.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"--arch must be sm_ and a compute capability, e.g. sm_80, sm_89, sm_90a, "
+                                         f"sm_100a; got {text!r}")
+    return text
 
 
 def cmd_info(args) -> int:
@@ -144,8 +153,9 @@ def cmd_bench(args) -> int:
                                                               flush=True))
     doc["system"] = describe()
     report.print_table(doc)
-    for path in report.save(doc, Path(args.out)):
-        print(f"wrote {path}")
+    if args.out is not None:
+        for path in report.save(doc, Path(args.out)):
+            print(f"wrote {path}")
     return 0
 
 
@@ -191,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="GPU, architecture, driver, NVRTC, cache dir, rungs that run here")
     sub.add_parser("check", help="every rung against the fp64 reference on fresh random inputs")
     p = sub.add_parser("compile", help="precompile every kernel spec for this GPU or --arch")
-    p.add_argument("--arch", help="target such as sm_80, sm_89, sm_90a (default: this GPU)")
+    p.add_argument("--arch", type=_arch, help="target such as sm_80, sm_89, sm_90a (default: this GPU)")
     p = sub.add_parser("bench", help="time flashtile beside torch's SDPA backends")
     p.add_argument("what", nargs="?", default="matrix", choices=["matrix", "ladder"],
                    help="matrix (default): the standard matrix of TARGETS.md; ladder: every rung at one shape")
@@ -199,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--reps", type=int, default=30, help="timed runs per kernel (median reported)")
-    p.add_argument("--out", default="docs", help="docs folder: results/ and performance.md are written there")
+    p.add_argument("--out", help="docs folder to write results/ and performance.md into (default: write no files); "
+                                 "the repository's own docs take --out docs")
     p = sub.add_parser("explain", help="which kernel serves a call and why, its tile, FLOPs, bytes and roofline bound")
     p.add_argument("--shape", type=_shape, default=(4, 16, 4096, 128), help="batch,heads,seqlen,head_dim of q")
     p.add_argument("--seqlen-k", type=int, help="keys per sequence (default: seqlen)")
@@ -210,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=_window, default=(-1, -1), help="left,right sliding window (-1 = unbounded)")
     p.add_argument("--softcap", type=float, default=0.0)
     p.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
-    p.add_argument("--arch", help="explain for this target without a GPU (e.g. sm_90a); default: this GPU")
+    p.add_argument("--arch", type=_arch, help="explain for this target without a GPU (e.g. sm_90a); default: this GPU")
     p.add_argument("--no-time", action="store_true", help="do not time the call on the GPU")
     args = parser.parse_args(argv)
     commands = {"info": cmd_info, "check": cmd_check, "compile": cmd_compile, "bench": cmd_bench,

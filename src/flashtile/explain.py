@@ -55,8 +55,7 @@ DDR = 2  # memory transfers per memory clock
 
 def this_gpu(device: int = 0) -> Machine:
     """This GPU's SMs and clocks, read from the driver."""
-    from cuda.bindings import driver
-
+    driver = jit.cuda_module("cuda.bindings.driver")
     props = torch.cuda.get_device_properties(device)
     attr = driver.CUdevice_attribute
 

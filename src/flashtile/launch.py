@@ -102,7 +102,7 @@ _loaded: dict[tuple[KernelSpec, int], LoadedModule] = {}
 
 
 def _check(result, what: str):
-    from cuda.bindings import driver
+    driver = jit.cuda_module("cuda.bindings.driver")
 
     err = result[0]
     if err != driver.CUresult.CUDA_SUCCESS:
@@ -116,8 +116,9 @@ def load(spec: KernelSpec, device: int) -> LoadedModule:
     key = (spec, device)
     if key in _loaded:
         return _loaded[key]
-    from cuda.bindings import driver
-    from cuda.core import Device, ObjectCode
+    driver = jit.cuda_module("cuda.bindings.driver")
+    cuda_core = jit.cuda_module("cuda.core")
+    Device, ObjectCode = cuda_core.Device, cuda_core.ObjectCode
 
     module = jit.compile_spec(spec)
     # Load into the device's primary context (shared with torch); torch.cuda.device puts the caller's current
@@ -154,17 +155,6 @@ class _ParamsBuffer(threading.local):
 
 
 _params_buffer = _ParamsBuffer()
-_driver_module = None
-
-
-def _driver():
-    """cuda.bindings' driver module, imported once (the hot path then pays no import statement)."""
-    global _driver_module
-    if _driver_module is None:
-        from cuda.bindings import driver
-
-        _driver_module = driver
-    return _driver_module
 _SAME_DEVICE = contextlib.nullcontext()
 
 
@@ -182,7 +172,7 @@ def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: i
 def run(launches: tuple[Launch, ...], params: tuple, layout: struct.Struct = PARAMS_STRUCT,
         extra: bytes | None = None) -> None:
     """Queue `launches` in order on the current stream, all with one params struct (packed once)."""
-    driver = _driver()
+    driver = jit.cuda_module("cuda.bindings.driver")
     args = _params_buffer
     layout.pack_into(args.buffer, 0, *params)
     argv = args.argv_address

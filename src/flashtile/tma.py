@@ -17,6 +17,8 @@ import ctypes
 
 import torch
 
+from .jit import cuda_module
+
 MAP_BYTES = 128            # sizeof(CUtensorMap)
 BOX_COLUMNS = 32           # one 64-byte swizzle block of 16-bit elements
 NO_MAPS = bytes(2 * MAP_BYTES)  # the kernel's KvMaps parameter when its build loads K/V with cp.async
@@ -30,8 +32,7 @@ _driver = None
 def _cuda():
     global _driver
     if _driver is None:
-        from cuda.bindings import driver
-        _driver = driver
+        _driver = cuda_module("cuda.bindings.driver")
     return _driver
 
 
