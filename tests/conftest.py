@@ -51,3 +51,13 @@ def cache_dir(tmp_path, monkeypatch):
     jit.clear_memo()
     yield tmp_path / "cache"
     jit.clear_memo()
+
+
+@pytest.fixture
+def fresh_warnings():
+    """The front doors' one-time FallbackWarnings armed again, before and after the test."""
+    from flashtile.compat._warn import reset_warnings
+
+    reset_warnings()
+    yield
+    reset_warnings()
