@@ -1,9 +1,18 @@
 import math
 
 import pytest
+import torch
 
 from flashtile import api
 from flashtile.forward import FwdProblem
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu (pyproject.toml) skip themselves where no CUDA device exists."""
+    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(needs_cuda)
 
 
 @pytest.fixture
