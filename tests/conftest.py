@@ -1,8 +1,17 @@
 import math
 
 import pytest
+import torch
 
 from flashtile import plans
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu (pyproject.toml) skip themselves where no CUDA device exists."""
+    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(needs_cuda)
 
 
 @pytest.fixture
@@ -40,3 +49,13 @@ def cache_dir(tmp_path, monkeypatch):
     jit.clear_memo()
     yield tmp_path / "cache"
     jit.clear_memo()
+
+
+@pytest.fixture
+def fresh_warnings():
+    """The front doors' one-time FallbackWarnings armed again, before and after the test."""
+    from flashtile.compat._warn import reset_warnings
+
+    reset_warnings()
+    yield
+    reset_warnings()

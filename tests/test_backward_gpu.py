@@ -10,7 +10,7 @@ from feature_cases import DTYPES, case_id, feature_cases, feature_options
 from flashtile.reference import attention_ref, varlen_apply
 from flashtile.testing import compare_grads
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu  # skipped where no CUDA device exists (conftest.py)
 
 HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (40, 40), (136, 136)]
 SEQLENS = [(1, 1), (63, 63), (1000, 1000), (63, 1000), (1000, 63), (257, 129), (4097, 4097), (1, 300)]

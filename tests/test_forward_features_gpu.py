@@ -10,7 +10,7 @@ from feature_cases import DTYPES, case_id, feature_cases, feature_options
 from flashtile.reference import varlen_apply, attention_ref
 from flashtile.testing import compare, ERROR_RATIO, ABS_FLOOR
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu  # skipped where no CUDA device exists (conftest.py)
 
 HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128), (128, 64),
              (40, 40), (72, 72), (136, 136), (200, 200), (8, 8)]

@@ -10,7 +10,7 @@ import flashtile
 from flashtile.compat import FallbackWarning
 from flashtile.compat import flash_attn as fa
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu  # skipped where no CUDA device exists (conftest.py)
 transformers = pytest.importorskip("transformers")
 if int(transformers.__version__.split(".")[0]) < 5:
     pytest.skip(f"attn_implementation='flashtile' needs transformers >= 5, this is {transformers.__version__}",

@@ -7,7 +7,7 @@ import flashtile
 from flashtile import ladder
 from flashtile.testing import compare
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu  # skipped where no CUDA device exists (conftest.py)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 

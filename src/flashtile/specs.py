@@ -5,7 +5,8 @@ entry points, the element type, the compile-time constants and the target archit
 feeds run-time compilation (:mod:`flashtile.jit`), the ahead-of-time ``flashtile compile`` command and
 the CPU test that compiles every kernel for several architectures (registry.all_specs).
 
-Tile sizes live in the tables below, one row per choice, each with the reason for it.
+Tile sizes live in the tables below, one row per choice, each with the reason for it. The measurements
+behind the reasons (scripts/tune_fwd.py and scripts/tune_bwd.py on the H200) are in docs/notes.md.
 """
 
 from __future__ import annotations
@@ -148,28 +149,26 @@ SMEM_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376
 
 # The forward tile table: padded head dim -> Tile, for GPUs with >= 160 KB of shared memory per block
 # (A100, H100/H200) and for those with 99 KB (RTX 30xx/40xx). Each row says why.
-# Measured on the H200 with scripts/tune_fwd.py (TFLOP/s at n=16k, non-causal / causal; 2026-11-29).
 FWD_TILES_LARGE_SMEM = {
-    64: Tile(128, 64, 4, 2, 1, "2 slabs/warp: each K/V fragment feeds two mmas; 330/315 (3 stages: 327/316; "
-                               "128 keys: 340/329 but spills)"),
+    64: Tile(128, 64, 4, 2, 1, "2 slabs/warp: each K/V fragment feeds two mmas; a third stage gains nothing; "
+                               "128 keys is faster but spills"),
     96: Tile(128, 32, 4, 2, 1, "as d128 on sm_80; at 64 keys ptxas spills"),
-    128: Tile(128, 32, 4, 2, 1, "353/323 on sm_90a; 64 keys is faster on Hopper (see FWD_TILES_SM90) but spills "
-                                "28 B with sm_80's register allocation"),
+    128: Tile(128, 32, 4, 2, 1, "64 keys is faster on Hopper (see FWD_TILES_SM90) but spills with sm_80's register "
+                                "allocation"),
     192: Tile(128, 64, 8, 2, 1, "1 slab/warp keeps O at 96 regs; 144 KB"),
     256: Tile(64, 64, 4, 2, 1, "160 KB: block_m 128 with a 2-stage ring would need 192 KB, over sm_80's 163 KB"),
 }
 # Hopper-only rows: ptxas for sm_90a fits these without spills.
 FWD_TILES_SM90 = {
-    64: Tile(128, 64, 4, 2, 1, "as FWD_TILES_LARGE_SMEM, K/V by TMA: n1k/4k/16k 308/237, 339/305, 347/332 "
-                               "against 301/228, 326/295, 332/319 with cp.async", tma=True),
-    128: Tile(128, 64, 4, 2, 1, "FA2's tile (255 regs, no spills on sm_90a), K/V by TMA: n1k/4k/16k 383/288, 407/363, "
-                                "408/393 against 350/264, 378/330, 376/359 with cp.async, whose 16 copies per thread "
-                                "and tile had cost ~20% (the loop without loads ran 445); 128 x 32: 356/328", tma=True),
+    64: Tile(128, 64, 4, 2, 1, "as FWD_TILES_LARGE_SMEM, K/V by TMA: faster than cp.async at every length",
+             tma=True),
+    128: Tile(128, 64, 4, 2, 1, "FA2's tile (255 regs, no spills on sm_90a), faster than 128 x 32 on Hopper; K/V by "
+                                "TMA, faster than cp.async at every length: issuing 16 copies per thread and tile was "
+                                "the loop's largest overhead, one thread issues 8 instead", tma=True),
     256: Tile(64, 64, 4, 1, 2, "K and V take turns in one buffer each (FA2's d256 schedule): 96 KB, two blocks "
-                               "per SM; 128-byte swizzle blocks. Same run, n1k/4k/16k non-causal, causal: 298 252, "
-                               "321 288, 323 327 against 274 227, 294 263, 299 288 with 64-byte blocks (whose "
-                               "cp.async phases take two wavefronts); 128x64 x 8 warps, 2-stage ring: 273 210, "
-                               "289 257, 304 302", wide=True),
+                               "per SM, faster than a 2-stage ring of 128 x 64 x 8 warps at short sequences and level "
+                               "at long ones; 128-byte swizzle blocks, faster at every length than 64-byte ones, whose "
+                               "cp.async phases take two wavefronts", wide=True),
 }
 FWD_TILES_SMALL_SMEM = {
     64: Tile(128, 64, 4, 2, 1, "48 KB"),
@@ -236,9 +235,7 @@ ROW_DEFINES = (("FT_ROW_WARPS", ROW_WARPS), ("FT_PREPROCESS_ROWS", PREPROCESS_RO
 # softcap/ALiBi, d96 and q/k and v head dims that differ (the wgmma kernel and the grid kernel below serve the
 # rest). A block owns block_n keys (16 per warp) and keeps their dK and dV in registers: (d + dv) / 2 fp32 registers
 # per thread, plus block_m / 2 for dP and block_m / 4 for P (kept as 16-bit pairs in one-pass 64+-query steps). Past
-# head dim 128 that does not fit in 255 registers, so those dims run two passes (split: dV, then dK and dQ). The
-# reasons' numbers come from scripts/tune_bwd.py on the H200 at n16k, both tiles of a row in one run (d64 and d128:
-# 2026-11-29 afternoon).
+# head dim 128 that does not fit in 255 registers, so those dims run two passes (split: dV, then dK and dQ).
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -256,12 +253,12 @@ class BwdTile:
 
 
 BWD_TILES_LARGE_SMEM = {
-    64: BwdTile(128, 128, 2, False, "8 warps x 16 keys, 128-query steps: 247 TFLOP/s against 233 at block_m 64, "
-                                    "and half the deterministic hand-offs (1.17x against 1.34x); 130 KB"),
+    64: BwdTile(128, 128, 2, False, "8 warps x 16 keys, 128-query steps: faster than block_m 64, and half the "
+                                    "deterministic hand-offs; 130 KB"),
     96: BwdTile(64, 128, 2, False, "as d128"),
     128: BwdTile(64, 128, 2, False, "FA2's tile; P kept as 16-bit pairs leaves room for 64-query steps beside dK + dV "
-                                    "(128 regs/thread): 261 TFLOP/s against 243 at block_m 32, deterministic 1.19x "
-                                    "against 1.36x; 145 KB"),
+                                    "(128 regs/thread): faster than block_m 32, and half the deterministic hand-offs; "
+                                    "145 KB"),
     192: BwdTile(64, 64, 2, True, "two passes; 153 KB"),
     256: BwdTile(64, 64, 2, True, "two passes; 200 KB, Hopper's 227 KB only"),
 }
@@ -292,10 +289,9 @@ def bwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdTile:
 # The per-phase warp-grid kernel (kernels/sm80/bwd_grid.cu), for head dim 192 where its tile fits the GPU's
 # shared memory (Hopper). Per step (block_m queries) each phase splits the 8 warps its own way: S/dP over
 # keys x queries, dK/dV over keys x head dim, dQ over queries x head dim, so dK and dV of a 64-key block fit the
-# registers in one pass (bwd.cu needs two past d128, recomputing S in each). At d <= 128 bwd.cu is faster
-# (d128 n16k: 260 against 241-245 TFLOP/s for this kernel's best tile), and on Hopper d64, d128 and d256 run
-# the wgmma kernel below (d256: 293/297 TFLOP/s against this kernel's 192/196), so only d192 is listed;
-# scripts/tune_bwd.py sweeps both kernels' tiles at any head dim.
+# registers in one pass (bwd.cu needs two past d128, recomputing S in each). At d <= 128 bwd.cu is faster (fewer
+# instructions, no round trip of P and dS through shared memory), and on Hopper d64, d128 and d256 run the wgmma
+# kernel below, faster still, so only d192 is listed; scripts/tune_bwd.py sweeps both kernels' tiles at any head dim.
 
 
 @dataclass(frozen=True)
@@ -311,8 +307,8 @@ class BwdGridTile:
 
 
 BWD_GRID_TILES = {
-    192: BwdGridTile(64, 64, 8, 2, 4, 2, 4, "one pass where bwd.cu needs two: each warp 32 keys x 48 columns of "
-                                            "dK and dV; 161 KB. n16k 188/191 TFLOP/s against bwd.cu's 166/168"),
+    192: BwdGridTile(64, 64, 8, 2, 4, 2, 4, "one pass where bwd.cu needs two, and faster: each warp 32 keys x 48 "
+                                            "columns of dK and dV; 161 KB"),
 }
 
 
@@ -357,15 +353,15 @@ class BwdWgmmaTile:
 
 SWIZZLE_ATOM_BYTES = 1024
 WGMMA_M = 64  # rows of a warpgroup product: a warpgroup's keys
-BWD_WGMMA_TILES = {  # measured with scripts/tune_bwd.py, n16k, non-causal / causal, 2026-11-29 (session six)
-    64: BwdWgmmaTile(128, 128, 2, "keys split, dQ split by rows (64 queries per warpgroup); 130 KB. 340/339 TFLOP/s "
-                                  "against sdpa-flash 291/279 and bwd.cu's 247/246"),
+BWD_WGMMA_TILES = {
+    64: BwdWgmmaTile(128, 128, 2, "keys split, dQ split by rows (64 queries per warpgroup); 130 KB. Faster than "
+                                  "sdpa-flash and bwd.cu"),
     128: BwdWgmmaTile(64, 128, 2, "keys split, dQ split by columns (64 per warpgroup); S^T, dP^T 32 and dK, dV 64 "
-                                  "registers each; 145 KB. 382/381 against sdpa-flash 312/318 and bwd.cu's 258/261"),
+                                  "registers each; 145 KB. Faster than sdpa-flash and bwd.cu"),
     256: BwdWgmmaTile(64, 64, 2, "columns split: 64 keys shared by both warpgroups, each with half of dK, dV and dQ "
                                  "(64 registers each); warpgroup 0 S^T and P^T, warpgroup 1 dP^T and dS^T, both "
-                                 "through shared memory; 209 KB. 293/297 against sdpa-flash 263/259 and "
-                                 "bwd_grid.cu's 192/196 (S^T/dP^T split by queries instead: 268/272)"),
+                                 "through shared memory; 209 KB. Faster than sdpa-flash and bwd_grid.cu; S^T/dP^T "
+                                 "split by queries instead is slower (both warpgroups read all of K and V)"),
 }
 
 

@@ -1,87 +1,9 @@
 """Hugging Face transformers integration: ``attn_implementation="flashtile"`` (and the older ``"tile_attention"``).
 
-Usage::
-
-    import flashtile
-    flashtile.register_hf()
-    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="flashtile")
-
-Registration is explicit: ``import flashtile`` never imports transformers (it is an optional dependency,
-``pip install flashtile[hf]``, and slow to import). :func:`register_hf` may be called any number of times; it
-returns the name to use, so ``attn_implementation=flashtile.register_hf()`` works with every supported version.
-
-``"flashtile"`` (transformers >= 5.0; tested with 5.0.0, 5.17.0 and 5.24.0)
-----------------------------------------------------------------------------
-
-transformers 5 takes every implementation name containing "flash" for a FlashAttention kernel
-(``is_flash_attention_requested``): it builds FlashAttention's masks for it (None, or the 2-D padding mask),
-keeps the padding information FlashAttention needs (generation with a static cache), hands packed sequences
-over as one row with ``position_ids`` or ``cu_seq_lens_*``/``max_length_*`` keyword arguments and no mask
-(padding-free training collators, continuous batching, vision towers such as Qwen2-VL's, which pack images
-and pass ``cu_seqlens``), and loads the kernel's functions by name with ``lazy_import_flash_attention``,
-which for a name it does not know tries to download a kernel from the Hugging Face Hub.
-
-So "flashtile" is made a FlashAttention implementation in full. :func:`register_hf` teaches transformers'
-loader the name: ``modeling_flash_attention_utils._lazy_imports`` is wrapped so that "flashtile" yields
-flashtile's FlashAttention-2 functions (:func:`~flashtile.flash_attn_func`,
-:func:`~flashtile.flash_attn_varlen_func`; no ``flash_attn_with_kvcache``; transformers' own
-``_pad_input``/``_unpad_input``), every other name goes to transformers' loader unchanged, and the loader is
-primed. The name is registered with transformers' own ``flash_attention_forward`` (behind
-:func:`flashtile_flash_attention_forward`, below) and its ``flash_attention_mask``. A "flashtile" model thus
-runs the code path of ``flash_attention_2`` with flashtile's kernels in place of flash_attn's: padding masks
-are unpadded and served by the varlen function (no fallback), packed sequences too, KV-cache decoding (also
-with left padding) by bottom-right aligned causal attention, GQA without copies, sliding windows and softcap
-as arguments.
-
-Why not the "tile_attention" function and sdpa's masks under the name "flashtile": with "flash" in the name
-the rest of transformers behaves as for FlashAttention, and hands some packed batches over as one row with
-``cu_seq_lens_*`` arguments and no mask at all (Qwen2-VL's vision tower, continuous batching). An sdpa-style
-function ignores those arguments and would attend across sequence boundaries; only the flash path is correct
-for every input transformers hands a flash name. It also serves padding with flashtile instead of a fallback.
-
-:func:`flashtile_flash_attention_forward` adds to transformers' function:
-
-* a 4-D mask (a caller's custom mask, which transformers passes through unchanged, or a model that builds its
-  own) is served as under "tile_attention" (which reads 4-D masks; FlashAttention's path cannot);
-* attention dropout (training with ``attention_dropout > 0``) and attention sinks (``s_aux``) raise
-  ValueError: flashtile supports neither, and transformers' flash path would drop ``s_aux`` silently.
-
-transformers keeps one flash implementation loaded at a time (``_loaded_implementation``) and loads again by
-name when another is asked for. If another flash implementation is used in between (a ``flash_attention_2``
-model in the same process), the next request for "flashtile" (loading a model, ``set_attn_implementation``,
-every attention call) loads flashtile's functions again through the wrapped loader, as transformers does for
-its own names. If transformers' internals are not as expected, :func:`register_hf` raises ImportError naming
-the version (after registering "tile_attention", which stays usable) and leaves transformers as it was.
-
-Not served on this path: devices other than CPU and CUDA, head dims above 256 (flashtile raises, as
-FlashAttention does past its limits), dropout and sinks (above), a paged KV cache (``block_table``:
-continuous batching's decode fast path needs ``flash_attn_with_kvcache``, which flashtile lacks; continuous
-batching is untested). Models that list ``_compatible_flash_implementations`` (e.g. granite_swa) have every
-flash name replaced by transformers with a kernel from that list: use "tile_attention" with them. In
-transformers 5.0.0, generation with a static cache and no padding attends to the cache's empty slots with every
-flash implementation (its ``flash_attention_mask`` drops the all-ones mask); 5.17.0 and later are correct.
-
-transformers 4.x has no FlashAttention loader keyed by name, so "flashtile" cannot be served there:
-:func:`register_hf` registers only "tile_attention", says so with a warning and returns "tile_attention".
-
-``"tile_attention"`` (transformers >= 4.53; tested with 4.53.3, 5.0.0, 5.17.0 and 5.24.0)
-----------------------------------------------------------------------------------------
-
-The name before "flashtile", kept for existing users: no "flash" or "sdpa" in it, so transformers treats it as
-an ordinary custom implementation. It is registered with :func:`flashtile_attention_forward` and the mask
-builder transformers uses for ``sdpa``, so a model hands it exactly the mask it would hand torch SDPA: None
-when the pattern is plain causal (or full attention), otherwise a boolean 4-D mask (an additive float 4-D
-mask, as a caller may pass, is read the same way). Served by flashtile:
-
-* no mask: causal per ``is_causal`` (or ``module.is_causal``), exactly as transformers' sdpa reads it;
-* a 4-D mask that is exactly a full, bottom-right causal or causal sliding-window pattern, shared by the whole
-  batch (e.g. decoding or chunked prefill with a KV cache, sliding-window layers).
-
-Any other mask (padding with real zeros in ``attention_mask``, packed sequences, custom patterns) is not
-ignored: the call goes to transformers' sdpa with a one-time :class:`~flashtile.compat._warn.FallbackWarning`,
-as do attention dropout, ``position_bias``, dtypes, devices and head dims flashtile does not serve. Where sdpa
-cannot serve the fallback either (``softcap``, attention sinks ``s_aux``), the model's own eager function does.
-GQA needs no copies: flashtile reads key/value heads shared by groups of query heads directly.
+:func:`register_hf` registers both names with transformers and returns the one to use. ``"flashtile"``
+(transformers >= 5) is a FlashAttention implementation served by flashtile's FlashAttention-2 functions;
+``"tile_attention"`` (>= 4.53) takes sdpa's masks and falls back to sdpa for those it cannot read. docs/hf.md
+describes both: supported versions, padding, packed sequences, the KV cache and what is not served.
 """
 
 from __future__ import annotations
@@ -97,7 +19,7 @@ from ._warn import warn_once
 from .flash_attn import flash_attn_func, flash_attn_varlen_func
 from .sdpa import SERVED_DEVICES, _flash_layout
 
-ATTN_IMPLEMENTATION = "flashtile"      # the name: a FlashAttention implementation to transformers 5, see above
+ATTN_IMPLEMENTATION = "flashtile"      # the name: a FlashAttention implementation to transformers 5 (docs/hf.md)
 TILE_IMPLEMENTATION = "tile_attention"  # the older name: no "flash" or "sdpa" in it, sdpa's masks
 FRONT_DOOR = "hf"
 SDPA_FALLBACK = "transformers' sdpa attention"
@@ -120,7 +42,7 @@ def register_hf() -> str:
 
     Returns:
         "flashtile", the name to use (``attn_implementation=flashtile.register_hf()`` works too). With
-        transformers 4.x, which cannot take "flashtile" (see the module docstring), "tile_attention", with a
+        transformers 4.x, which cannot take "flashtile" (docs/hf.md says why), "tile_attention", with a
         warning.
     Raises:
         ImportError: transformers is missing, or its FlashAttention loader is not as expected (the message names
@@ -343,7 +265,7 @@ def flashtile_attention_forward(module, query, key, value, attention_mask, dropo
     Args:
         module: the model's attention module (``is_causal`` is read from it unless passed).
         query: (batch, heads_q, seqlen_q, head_dim); key, value: (batch, heads_kv, seqlen_k, head_dim[_v]).
-        attention_mask: None or a 4-D mask, see the module docstring.
+        attention_mask: None or a 4-D mask; docs/hf.md says which masks flashtile serves.
         dropout, scaling, softcap, is_causal: as transformers passes them. ``sliding_window`` needs no handling
             here: the mask carries the window, which is read off it.
     Returns:
@@ -380,7 +302,7 @@ def flashtile_flash_attention_forward(module, query, key, value, attention_mask,
     """The attention function transformers calls for ``attn_implementation="flashtile"``.
 
     transformers' ``flash_attention_forward``, which reaches flashtile's FlashAttention-2 functions through the
-    loader :func:`register_hf` primed, except for what the module docstring lists: a 4-D mask goes to
+    loader :func:`register_hf` primed, except for what docs/hf.md lists: a 4-D mask goes to
     :func:`flashtile_attention_forward`; dropout and attention sinks raise ValueError.
 
     Args:

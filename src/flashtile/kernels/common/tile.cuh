@@ -9,9 +9,9 @@
 //   * The others use 64-byte blocks (4 chunks): chunk c of row r sits at slot c ^ ((r >> 1) & 3); two rows
 //     share a line, ldmatrix is conflict-free as above, but a cp.async phase reads two half lines of global
 //     memory (two wavefronts), and 16-byte reads along a row meet 2-way bank conflicts.
-// ncu at d256 (forward, 64-byte blocks): 16% of all shared-memory wavefronts were those two extras. Wide blocks
-// cost registers instead: a lane's ldmatrix offset takes 4 values per tile instead of 2, which tips the kernels
-// already at 255 registers into spills, so a kernel opts in per build (specs.py says where).
+// At d256 those two extras are a large share of the forward's shared-memory traffic (ncu: docs/notes.md).
+// Wide blocks cost registers instead: a lane's ldmatrix offset takes 4 values per tile instead of 2, which
+// tips the kernels already at 255 registers into spills, so a kernel opts in per build (specs.py says where).
 // TileLoader streams tiles of a global matrix into either layout with cp.async.
 #pragma once
 #include "mma.cuh"

@@ -225,7 +225,7 @@ struct DqTurn {
         if (turn != nullptr) {
             // The barrier orders every thread's reductions before thread 0's release, and a release is
             // cumulative: one fence-free store hands the turn on (a fence per thread would stall each of
-            // them until its reductions had landed: 1.48x the default time instead of 1.39x).
+            // them until its reductions had landed).
             __syncthreads();
             if (threadIdx.x == 0) store_release(turn, mine + 1);
         }

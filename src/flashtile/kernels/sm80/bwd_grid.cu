@@ -15,15 +15,14 @@
 //           GQA: a block serves one key/value head and loops over the query heads of its group, so dK and
 //           dV are summed in registers — no atomics. deterministic mode: the dQ additions of the blocks
 //           that share a query tile take turns in a fixed order (a per-tile turn counter), key blocks launched
-//           with the heads fastest (key_block_of): d192 n16k 1.17x / 1.19x the default time, against 1.20x /
-//           1.30x launched head by head.
+//           with the heads fastest (key_block_of in bwd_common.cuh says why).
 // Beside:   bwd.cu, 16 keys per warp with P and dS fed from registers, serves head dims up to 128 (faster
 //           there: fewer instructions, no P/dS round trip), score modifications and GPUs whose shared memory
 //           cannot hold this kernel's d192/d256 tiles. Past d128 bwd.cu's dK and dV do not fit the registers
 //           together and it runs two passes; this kernel's warp grids spread them over the block (each warp
-//           32 keys x 64 columns at d256), one pass: 1.17x bwd.cu at d256 n16k. On Hopper d64, d128 and d256
-//           now run sm90/bwd.cu (wgmma), so the library asks this kernel for d192 only; scripts/tune_bwd.py
-//           still times it at any head dim.
+//           32 keys x 64 columns at d256) and run one pass, where bwd.cu recomputes S in each of its two. On
+//           Hopper d64, d128 and d256 now run sm90/bwd.cu (wgmma), so the library asks this kernel for d192
+//           only; scripts/tune_bwd.py still times it at any head dim.
 // Measured: see docs/performance.md (backward rows) and docs/notes.md.
 // Wastes:   dQ leaves through fp32 atomics (FA3 does the same); P and dS make a round trip through shared
 //           memory; mma.sync on Hopper, as in the forward.

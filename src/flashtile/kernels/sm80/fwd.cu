@@ -5,25 +5,25 @@
 //             tensor cores work on tile i, tiles i+1 .. i+STAGES-1 are already in flight (one barrier/tile);
 //             with FT_STAGES 1, K and V take turns in one buffer each (half the memory, two barriers/tile);
 //             on Hopper (FT_TMA_KV) one thread feeds the ring through the tensor memory accelerator instead
-//             (common/tma.cuh): 8 copies per tile where every thread issued 16 cp.async. At d128 n16k the
-//             loads had cost ~20% (the loop without them ran 445 TFLOP/s against 371; waiting for their data
-//             cost nothing); fed by TMA it runs 408/393 against 376/359 (d64: 347/332 against 332/319);
+//             (common/tma.cuh): 8 copies per tile where every thread issued 16 cp.async. The loop paid for
+//             issuing those copies, not for waiting on their data, so handing them to the copy engine is
+//             what frees it (docs/notes.md has the ablations);
 //           * shared memory is XOR-swizzled (common/tile.cuh) instead of padded: no bank conflicts, no waste;
 //           * each warp owns 16 * kSlabs rows, so every K/V fragment read from shared memory feeds kSlabs mmas;
 //           * the softmax runs in base 2 with the scale folded in: p = exp2(s * scale * log2(e) - m'), one
 //             FFMA and one MUFU.EX2 per score; O is rescaled only when a row's maximum grows by more than 2^8;
 //           * 32-bit shared addresses and per-lane offsets computed once: the loop is HMMA, LDSM and the
-//             softmax, ~400 SASS instructions per 128 HMMA (860 before this and the previous change);
+//             softmax, with little address arithmetic or rescaling left between them (counts: docs/notes.md);
 //           * masks are evaluated only on tiles that cut the mask boundary; tiles nobody sees are skipped;
 //           * the output tile is staged in shared memory so it leaves in coalesced 16-byte stores.
 //           Features: GQA/MQA, causal and sliding window (bottom-right aligned), softcap and ALiBi (compile-
 //           time switches, so the plain path pays nothing for them), varlen, head_dim != head_dim_v, any strides.
 // Removes:  rung 3's synchronous loads (memory and math now overlap), its bank-conflict padding and its
 //           per-element mask tests on interior tiles.
-// Measured: 0.83 ms at b=4 h=16 n=4096 d=64 bf16 on the H200 (330 TFLOP/s): 2.1x rung 3, 414x rung 0;
-//           0.87-1.13x torch's FlashAttention-2 across the standard matrix (docs/performance.md).
-// Wastes:   on Hopper, mma.sync reaches roughly two thirds of the tensor cores' wgmma rate, and a warp
-//           cannot overlap its softmax with its own matrix products — the Hopper rung's job.
+// Measured: 2.1x rung 3 at b=4 h=16 n=4096 d=64 bf16 on the H200 (2026-11-29); against torch's
+//           FlashAttention-2: docs/performance.md.
+// Wastes:   on Hopper, mma.sync falls well short of the tensor cores' wgmma rate, and a warp cannot
+//           overlap its softmax with its own matrix products — the Hopper rung's job.
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
 #include "../common/tile.cuh"

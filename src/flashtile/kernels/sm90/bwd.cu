@@ -18,13 +18,13 @@
 //               registers, so each warpgroup owns half their columns. Warpgroup 0 computes S^T and P^T,
 //               warpgroup 1 dP^T and, once P^T is in shared memory, dS^T; then dV, dK (SS) and dQ take each
 //               warpgroup's half of the columns. (Splitting S^T and dP^T by queries instead, m64n32 products
-//               reading all of K and V in both warpgroups, measured 268/272 TFLOP/s at n16k.)
+//               reading all of K and V in both warpgroups, made that phase bound by shared-memory bandwidth.)
 //           Every operand starts on a 128-byte column block.
 // Beside:   sm80/bwd.cu serves every other head dim, score modifications and GPUs before Hopper; this kernel
 //           shares its frame through sm80/bwd_common.cuh (query ring, step loop, deterministic turns, epilogue,
 //           the preprocess and dQ-conversion kernels).
-// Measured: H200, n16k, beside torch's FlashAttention-2 (docs/performance.md): d128 378/378 TFLOP/s non-causal/
-//           causal, 1.21x/1.19x (rung 4's kernel: 260); d64 336/334, 1.15x/1.20x; d256 292/295, 1.11x/1.15x.
+// Measured: beside torch's FlashAttention-2 in docs/performance.md (backward rows); against rung 4's kernel in
+//           docs/ladder.md.
 // Wastes:   no warp specialisation and no TMA: all threads issue the cp.async ring, and the two warpgroups
 //           meet at a barrier every step (dS^T is shared), so one's softmax does not overlap the other's
 //           products; dQ leaves through fp32 atomics.
