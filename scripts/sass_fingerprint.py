@@ -1,7 +1,7 @@
 """Fingerprints of the kernels' machine code, for kernel changes that claim to change nothing.
 
 Usage: python scripts/sass_fingerprint.py [kernel source ...] > before.txt, make the change, run it again into
-after.txt, and `diff before.txt after.txt`. Sources are paths under kernels/ (e.g. sm80/bwd.cu); without one,
+after.txt, and `diff before.txt after.txt`. Sources are paths under kernels/ (e.g. mma/bwd.cu); without one,
 every spec of registry.all_specs. No GPU is needed: NVRTC compiles each spec for every architecture the tests
 cover and cuobjdump (pip install nvidia-cuda-cuobjdump, or CUDA's own on PATH) disassembles it. Identical
 fingerprints mean identical SASS, so the H200 evidence gathered on the code before the change still holds —
@@ -37,7 +37,9 @@ def fingerprint(spec: specs.KernelSpec, tool: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(jit.compile_spec(spec).cubin)
         cubin.flush()
-        sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+        # cuobjdump runs nvdisasm, which the wheel keeps beside it.
+        env = {**os.environ, "PATH": os.pathsep.join([str(Path(tool).parent), os.environ.get("PATH", "")])}
+        sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True, env=env).stdout
     # Per function, in name order: a change that only moves a function within the module is not a change.
     functions = sorted(sass.split("Function : ")[1:])
     return hashlib.sha256("".join(functions).encode()).hexdigest()[:16]

@@ -2,8 +2,8 @@
 deterministic mode's time over the default's for each tile.
 
 Usage (on the GPU machine): python scripts/tune_bwd.py [d ...] — a lab bench for choosing rows of
-specs.BWD_TILES_* (the 16-keys-per-warp kernel, sm80/bwd.cu), specs.BWD_GRID_TILES (the warp-grid kernel,
-sm80/bwd_grid.cu) and specs.BWD_WGMMA_TILES (the Hopper kernel, sm90/bwd.cu); the reasons in those tables come
+specs.BWD_TILES_* (the 16-keys-per-warp kernel, mma/bwd.cu), specs.BWD_GRID_TILES (the warp-grid kernel,
+mma/bwd_grid.cu) and specs.BWD_WGMMA_TILES (the Hopper kernel, wgmma/bwd.cu); the reasons in those tables come
 from runs of this script. Every candidate's largest gradient difference from sdpa-flash rides along.
 """
 
@@ -29,7 +29,7 @@ GRID_CANDIDATES = {  # head_dim -> [(block_m, block_n, warps, stages, keys_sdp, 
     192: [(64, 64, 8, 2, 4, 2, 4)],
     256: [(64, 64, 8, 2, 4, 2, 2)],
 }
-WGMMA_CANDIDATES = {  # head_dim -> [(block_m, block_n, stages)] for sm90/bwd.cu
+WGMMA_CANDIDATES = {  # head_dim -> [(block_m, block_n, stages)] for wgmma/bwd.cu
     64: [(128, 128, 2)],
     128: [(64, 128, 2)],
     192: [],

@@ -85,7 +85,7 @@ def test_strided_views_of_a_packed_qkv(poisoned_grads):
 
 @pytest.mark.parametrize("features", [{"causal": True}, {}, {"window_size": (200, 10)}], ids=str)
 @pytest.mark.parametrize("heads", [(16, 16), (16, 2)], ids=str)
-# On Hopper: 128 and 256 run sm90/bwd.cu (its two layouts), 96 sm80/bwd.cu, 192 sm80/bwd_grid.cu.
+# On Hopper: 128 and 256 run wgmma/bwd.cu (its two layouts), 96 mma/bwd.cu, 192 mma/bwd_grid.cu.
 @pytest.mark.parametrize("head_dim", [96, 128, 192, 256])
 def test_deterministic_backward_is_bitwise_repeatable(features, heads, head_dim):
     torch.manual_seed(0)

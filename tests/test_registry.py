@@ -17,20 +17,20 @@ def _variant(direction, d, dv, arch, features=(), dtype=BF16, shape="prefill"):
 
 
 @pytest.mark.parametrize("arch, d, dv, features, family, source", [
-    ("sm_90a", 64, 64, (), "bwd-wgmma", "sm90/bwd.cu"),
-    ("sm_90a", 128, 128, (), "bwd-wgmma", "sm90/bwd.cu"),
-    ("sm_90a", 100, 100, (), "bwd-wgmma", "sm90/bwd.cu"),          # padded to 128
-    ("sm_90a", 96, 96, (), "bwd-mma", "sm80/bwd.cu"),              # a compiled dim of its own, not 64's multiple
-    ("sm_90a", 256, 256, ("window", "varlen"), "bwd-wgmma", "sm90/bwd.cu"),
-    ("sm_90a", 192, 192, (), "bwd-grid", "sm80/bwd_grid.cu"),
-    ("sm_90a", 192, 128, (), "bwd-grid", "sm80/bwd_grid.cu"),
-    ("sm_90a", 128, 64, (), "bwd-mma", "sm80/bwd.cu"),             # q/k and v head dims differ
-    ("sm_90a", 128, 128, ("softcap",), "bwd-mma", "sm80/bwd.cu"),
-    ("sm_90a", 128, 128, ("alibi",), "bwd-mma", "sm80/bwd.cu"),
-    ("sm_80", 128, 128, (), "bwd-mma", "sm80/bwd.cu"),
-    ("sm_80", 192, 192, (), "bwd-grid", "sm80/bwd_grid.cu"),       # its 161 KB tile fits the A100's 163 KB
-    ("sm_86", 192, 192, (), "bwd-mma", "sm80/bwd.cu"),             # but not the 99 KB of consumer GPUs
-    ("sm_89", 64, 64, (), "bwd-mma", "sm80/bwd.cu"),
+    ("sm_90a", 64, 64, (), "bwd-wgmma", "wgmma/bwd.cu"),
+    ("sm_90a", 128, 128, (), "bwd-wgmma", "wgmma/bwd.cu"),
+    ("sm_90a", 100, 100, (), "bwd-wgmma", "wgmma/bwd.cu"),          # padded to 128
+    ("sm_90a", 96, 96, (), "bwd-mma", "mma/bwd.cu"),              # a compiled dim of its own, not 64's multiple
+    ("sm_90a", 256, 256, ("window", "varlen"), "bwd-wgmma", "wgmma/bwd.cu"),
+    ("sm_90a", 192, 192, (), "bwd-grid", "mma/bwd_grid.cu"),
+    ("sm_90a", 192, 128, (), "bwd-grid", "mma/bwd_grid.cu"),
+    ("sm_90a", 128, 64, (), "bwd-mma", "mma/bwd.cu"),             # q/k and v head dims differ
+    ("sm_90a", 128, 128, ("softcap",), "bwd-mma", "mma/bwd.cu"),
+    ("sm_90a", 128, 128, ("alibi",), "bwd-mma", "mma/bwd.cu"),
+    ("sm_80", 128, 128, (), "bwd-mma", "mma/bwd.cu"),
+    ("sm_80", 192, 192, (), "bwd-grid", "mma/bwd_grid.cu"),       # its 161 KB tile fits the A100's 163 KB
+    ("sm_86", 192, 192, (), "bwd-mma", "mma/bwd.cu"),             # but not the 99 KB of consumer GPUs
+    ("sm_89", 64, 64, (), "bwd-mma", "mma/bwd.cu"),
 ])
 def test_backward_family_choice(arch, d, dv, features, family, source):
     """wgmma's kernel serves Hopper at d64/d128/d256 without score modifications; rung 4's serve the rest."""
@@ -109,9 +109,9 @@ def test_all_specs_cover_what_each_family_compiles():
     found = registry.all_specs("sm_90a")
     assert len(found) == len(set(found))
     sources = {s.source for s in found}
-    assert {"ladder/r0_naive.cu", "ladder/r1_fused.cu", "ladder/r2_tiled.cu", "ladder/r3_mma.cu", "sm80/fwd.cu",
-            "sm80/bwd.cu", "sm80/bwd_grid.cu", "sm90/bwd.cu"} <= sources
-    assert not any(s.source == "sm90/bwd.cu" for s in registry.all_specs("sm_80"))
+    assert {"ladder/r0_naive.cu", "ladder/r1_fused.cu", "ladder/r2_tiled.cu", "ladder/r3_mma.cu", "mma/fwd.cu",
+            "mma/bwd.cu", "mma/bwd_grid.cu", "wgmma/bwd.cu"} <= sources
+    assert not any(s.source == "wgmma/bwd.cu" for s in registry.all_specs("sm_80"))
 
 
 def test_geometry_constants_reach_the_kernels_as_defines():

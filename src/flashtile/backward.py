@@ -1,10 +1,10 @@
 """The backward kernel families and their plans.
 
-Three families, asked in this order: the Hopper kernel on wgmma (kernels/sm90/bwd.cu), the per-phase warp-grid
-kernel for head dim 192 (kernels/sm80/bwd_grid.cu) and rung 4's 16-keys-per-warp kernel (kernels/sm80/bwd.cu),
+Three families, asked in this order: the Hopper kernel on wgmma (kernels/wgmma/bwd.cu), the per-phase warp-grid
+kernel for head dim 192 (kernels/mma/bwd_grid.cu) and rung 4's 16-keys-per-warp kernel (kernels/mma/bwd.cu),
 which serves everything the other two leave. Each plan is three launches over one BwdParams struct: a
 preprocess over query rows (D = rowsum(dO * O), the LSE in base 2, the fp32 dQ accumulator zeroed), the main
-kernel over key blocks (one launch, or two for sm80/bwd.cu past head dim 128: dV, then dK and dQ), and the
+kernel over key blocks (one launch, or two for mma/bwd.cu past head dim 128: dV, then dK and dQ), and the
 conversion of the dQ accumulator to the dtype of q.
 """
 

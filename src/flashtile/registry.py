@@ -59,13 +59,16 @@ def compiled_variants(arch: str):
 
 
 def all_specs(arch: str) -> list[specs.KernelSpec]:
-    """Every spec the library can ask for on `arch`: what each family (each rung too) compiles for the
-    compiled variants it serves. `flashtile compile` builds this list; CI compiles it for several archs."""
+    """Every spec the library can ask for on `arch`: for each compiled variant, what every rung that serves it
+    compiles (a caller may name any rung) and what the chosen backward family compiles. `flashtile compile`
+    builds this list; CI compiles it for several archs."""
     found: dict[specs.KernelSpec, None] = {}
     for variant in compiled_variants(arch):
         for family, why_not in reasons(variant):
             if why_not is None:
                 found.setdefault(family.spec(variant))
+                if family.rung is None:
+                    break
     return list(found)
 
 

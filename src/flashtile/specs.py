@@ -191,7 +191,7 @@ def fwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> Tile:
     return FWD_TILES_LARGE_SMEM[head_dim]
 
 
-PIPELINED_SOURCE = "sm80/fwd.cu"
+PIPELINED_SOURCE = "mma/fwd.cu"
 MBARRIER_BYTES = 8
 
 
@@ -231,7 +231,7 @@ ROW_DEFINES = (("FT_ROW_WARPS", ROW_WARPS), ("FT_PREPROCESS_ROWS", PREPROCESS_RO
 
 
 # ---------------------------------------------------------------------------------------------------
-# Rung 4 backward, the 16-keys-per-warp kernel (kernels/sm80/bwd.cu): every case off Hopper; on Hopper
+# Rung 4 backward, the 16-keys-per-warp kernel (kernels/mma/bwd.cu): every case off Hopper; on Hopper
 # softcap/ALiBi, d96 and q/k and v head dims that differ (the wgmma kernel and the grid kernel below serve the
 # rest). A block owns block_n keys (16 per warp) and keeps their dK and dV in registers: (d + dv) / 2 fp32 registers
 # per thread, plus block_m / 2 for dP and block_m / 4 for P (kept as 16-bit pairs in one-pass 64+-query steps). Past
@@ -286,7 +286,7 @@ def bwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdTile:
     return tile
 
 
-# The per-phase warp-grid kernel (kernels/sm80/bwd_grid.cu), for head dim 192 where its tile fits the GPU's
+# The per-phase warp-grid kernel (kernels/mma/bwd_grid.cu), for head dim 192 where its tile fits the GPU's
 # shared memory (Hopper). Per step (block_m queries) each phase splits the 8 warps its own way: S/dP over
 # keys x queries, dK/dV over keys x head dim, dQ over queries x head dim, so dK and dV of a 64-key block fit the
 # registers in one pass (bwd.cu needs two past d128, recomputing S in each). At d <= 128 bwd.cu is faster (fewer
@@ -333,11 +333,11 @@ def bwd_grid_spec(dtype: str, d: int, dv: int, arch: str, tile: BwdGridTile) -> 
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_WARPS_KEYS_SDP", tile.warps_keys_sdp),
                ("FT_WARPS_KEYS_DKV", tile.warps_keys_dkv), ("FT_WARPS_QUERIES_DQ", tile.warps_queries_dq),
                ("FT_SOFTCAP", 0), ("FT_ALIBI", 0), *ROW_DEFINES)
-    return KernelSpec("sm80/bwd_grid.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, arch,
+    return KernelSpec("mma/bwd_grid.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, arch,
                       defines, smem)
 
 
-# The Hopper backward (kernels/sm90/bwd.cu): every product on wgmma, two warpgroups per block, for head dims 64,
+# The Hopper backward (kernels/wgmma/bwd.cu): every product on wgmma, two warpgroups per block, for head dims 64,
 # 128 and 256 (q/k and v alike) without score modifications on sm_90a. Tiles in 128-byte swizzle blocks,
 # the layout wgmma's descriptors read; the block's shared storage is aligned to the swizzle's 1024-byte period.
 
@@ -380,13 +380,13 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", d), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0),
                ("FT_WIDE_BLOCKS", 1), *ROW_DEFINES)
-    return KernelSpec("sm90/bwd.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, "sm_90a",
+    return KernelSpec("wgmma/bwd.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, "sm_90a",
                       defines, smem)
 
 
 def bwd_mma_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,
                  alibi: bool = False) -> KernelSpec:
-    """Rung 4's backward (kernels/sm80/bwd.cu): 16 keys per warp, every case the other kernels leave."""
+    """Rung 4's backward (kernels/mma/bwd.cu): 16 keys per warp, every case the other kernels leave."""
     d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
     tile = bwd_tile(max(d, dv), arch, softcap or alibi)
     m, n, stages = tile.block_m, tile.block_n, tile.stages
@@ -395,5 +395,5 @@ def bwd_mma_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap:
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SPLIT", int(tile.split)),
                ("FT_SOFTCAP", int(softcap)), ("FT_ALIBI", int(alibi)), *ROW_DEFINES)
-    return KernelSpec("sm80/bwd.cu", ("attn_bwd_preprocess", *main, "attn_bwd_dq_convert"), dtype, arch, defines,
+    return KernelSpec("mma/bwd.cu", ("attn_bwd_preprocess", *main, "attn_bwd_dq_convert"), dtype, arch, defines,
                       smem)

@@ -69,7 +69,7 @@ __device__ __forceinline__ Problem locate_problem(const AttnParams& p, int b, in
 }
 
 // The backward pass: the forward's params (o = the forward output, lse = its log-sum-exp) plus the
-// gradients and the per-row scratch the backward kernels share (kernels/sm80/bwd.cu).
+// gradients and the per-row scratch the backward kernels share (kernels/mma/bwd.cu).
 struct BwdParams {
     AttnParams fwd;
     const void* dout;

@@ -1,6 +1,6 @@
-// sm90/bwd.cu — the backward pass on Hopper's warpgroup products (wgmma, sm_90a), head dims 64, 128 and 256.
+// wgmma/bwd.cu — the backward pass on Hopper's warpgroup products (wgmma, sm_90a), head dims 64, 128 and 256.
 //
-// Idea:     rung 4's backward (sm80/bwd.cu: the same frame, the same math, transposed so that rows are keys),
+// Idea:     rung 4's backward (mma/bwd.cu: the same frame, the same math, transposed so that rows are keys),
 //           with every product on wgmma. A block owns kBlockN keys and two warpgroups; per query tile it computes
 //               S^T  = K Q^T,   dP^T = V dO^T          (SS: K/V and Q/dO both K-major in shared memory)
 //               P^T  = exp2(S^T * scale * log2e - LSE * log2e),   dS^T = P^T o (dP^T - D)
@@ -20,15 +20,15 @@
 //               warpgroup's half of the columns. (Splitting S^T and dP^T by queries instead, m64n32 products
 //               reading all of K and V in both warpgroups, made that phase bound by shared-memory bandwidth.)
 //           Every operand starts on a 128-byte column block.
-// Beside:   sm80/bwd.cu serves every other head dim, score modifications and GPUs before Hopper; this kernel
-//           shares its frame through sm80/bwd_common.cuh (query ring, step loop, deterministic turns, epilogue,
+// Beside:   mma/bwd.cu serves every other head dim, score modifications and GPUs before Hopper; this kernel
+//           shares its frame through common/bwd_frame.cuh (query ring, step loop, deterministic turns, epilogue,
 //           the preprocess and dQ-conversion kernels).
 // Measured: beside torch's FlashAttention-2 in docs/performance.md (backward rows); against rung 4's kernel in
 //           docs/ladder.md.
 // Wastes:   no warp specialisation and no TMA: all threads issue the cp.async ring, and the two warpgroups
 //           meet at a barrier every step (dS^T is shared), so one's softmax does not overlap the other's
 //           products; dQ leaves through fp32 atomics.
-#include "../sm80/bwd_common.cuh"
+#include "../common/bwd_frame.cuh"
 #include "wgmma.cuh"
 
 constexpr int kWarpgroups = kWarps / kWarpgroupWarps;
@@ -36,7 +36,7 @@ constexpr bool kSplitKeys = kBlockN == kWarpgroups * kWgmmaM;
 static_assert(kSplitKeys || kBlockN == kWgmmaM, "64 keys per warpgroup, or 64 keys shared by all");
 static_assert(kHeadDim == kHeadDimV, "one head dim for q, k and v");
 static_assert(kWideBlocks, "wgmma reads the 128-byte swizzled layout");
-static_assert(!kSoftcap && !kAlibi, "score modifications run in sm80/bwd.cu");
+static_assert(!kSoftcap && !kAlibi, "score modifications run in mma/bwd.cu");
 
 // A warpgroup's share: S^T and dP^T of its 64 keys x the kBlockM queries (split columns: warpgroup 0 S^T, 1 dP^T);
 // dK/dV its 64 keys x kGradCols columns; dQ 64 rows x kDqCols.
@@ -160,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
     const QueryTiles visited = visited_query_tiles(f, mask, pr0.seqlen_q, n0, n1);
     const int m_hi = visited.hi, m_tiles = visited.hi - visited.lo;
     const int steps = m_tiles * f.group;  // (query head of the group, query tile) pairs, head-major
-    auto m_tile_of = [&](int step) { return m_hi - 1 - step % m_tiles; };  // last to first, as sm80/bwd.cu
+    auto m_tile_of = [&](int step) { return m_hi - 1 - step % m_tiles; };  // last to first, as mma/bwd.cu
 
     const u32 k_smem = smem_addr(smem.k), v_smem = smem_addr(smem.v), ds_smem = smem_addr(smem.ds);
     const u32 q_smem = smem_addr(smem.q[0]), do_smem = smem_addr(smem.dout[0]);

@@ -1,4 +1,4 @@
-// sm80/bwd.cu — the backward pass of rung 4 (mma.sync: Ampere, Ada, Hopper).
+// mma/bwd.cu — the backward pass of rung 4 (mma.sync: Ampere, Ada, Hopper).
 //
 // Idea:     FlashAttention-2's backward. Nothing of size seqlen x seqlen is stored: each block owns one
 //           tile of kBlockN keys, keeps K and V in shared memory and dK, dV in registers, and streams the
@@ -23,7 +23,7 @@
 // Measured: see docs/performance.md (backward rows).
 // Wastes:   dQ leaves through fp32 atomics (FA3 does the same; a second pass over keys would avoid them at
 //           the cost of recomputing S and dP); mma.sync on Hopper, as in the forward.
-#include "bwd_common.cuh"
+#include "../common/bwd_frame.cuh"
 
 constexpr int kQueryTiles = kBlockM / kMmaN;   // n8 tiles across a query tile (columns of S^T)
 constexpr int kKTiles = kHeadDim / kMmaN;      // n8 tiles of a dK row slab

@@ -1,14 +1,14 @@
-// sm80/bwd_common.cuh — what the backward main kernels share (bwd.cu: 16 keys per warp, for head dims up to
+// common/bwd_frame.cuh — what the backward main kernels share (bwd.cu: 16 keys per warp, for head dims up to
 // 128, score modifications and small shared memory; bwd_grid.cu: per-phase warp grids, for d192 and d256 on
-// Hopper; sm90/bwd.cu: wgmma, for d64 and d128 on Hopper): the build's constants; the frame of a key block —
+// Hopper; wgmma/bwd.cu: wgmma, for d64 and d128 on Hopper): the build's constants; the frame of a key block —
 // which query tiles it visits, K and V, the query ring and the step loop, the dK/dV epilogue; dQ's fp32
 // reductions and deterministic mode's turns; P's widening; and the two row kernels around the main one —
 // preprocess (D = rowsum(dO o O), the LSE in base 2, dq_accum zeroed) and dq_convert (dQ = softmax_scale *
 // dq_accum in the dtype of q).
 #pragma once
-#include "../common/params.cuh"
-#include "../common/mask.cuh"
-#include "../common/tile.cuh"
+#include "params.cuh"
+#include "mask.cuh"
+#include "tile.cuh"
 
 constexpr int kHeadDim = FT_HEAD_DIM;      // padded q/k head dim of this build
 constexpr int kHeadDimV = FT_HEAD_DIM_V;   // padded v head dim
@@ -160,7 +160,7 @@ __device__ __forceinline__ void for_each_step(int steps, const LoadStep& load_st
     __syncthreads();
 }
 
-// Epilogue of a block whose warps own kSlabs x 16 rows by kTiles n8 columns of dK or dV (bwd_grid.cu, sm90/bwd.cu):
+// Epilogue of a block whose warps own kSlabs x 16 rows by kTiles n8 columns of dK or dV (bwd_grid.cu, wgmma/bwd.cu):
 // each warp's piece (times `scale`) goes over the same place in the K or V tile in shared memory (free by then),
 // and after a barrier the block stores the tile 16 bytes at a time.
 template <typename Tile, int kSlabs, int kTiles>
@@ -197,7 +197,7 @@ __device__ __forceinline__ void store_tile(const elem_t* tile_smem, elem_t* dst,
 // blocks and most of them idle at the start; launched key block by key block (heads fastest), a wave holds
 // the first few key blocks of every head and the lag stays a few steps. A block still waits only for blocks
 // launched before it. The default mode keeps one head's blocks together: they share its Q and dO in L2.
-// sm90/bwd.cu and bwd_grid.cu use it; bwd.cu reads blockIdx as it is: held in registers, the two indices tip its
+// wgmma/bwd.cu and bwd_grid.cu use it; bwd.cu reads blockIdx as it is: held in registers, the two indices tip its
 // d128 tiles (at 255 registers) into spills.
 struct KeyBlock { int n_block, h_kv; };
 __device__ __forceinline__ KeyBlock key_block_of(const BwdParams& p) {

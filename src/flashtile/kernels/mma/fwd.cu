@@ -1,4 +1,4 @@
-// sm80/fwd.cu — rung 4 "pipelined": the production forward on Ampere, Ada and Hopper (mma.sync).
+// mma/fwd.cu — rung 4 "pipelined": the production forward on Ampere, Ada and Hopper (mma.sync).
 //
 // Idea:     rung 3's tensor-core algorithm, with the memory system kept busy and the arithmetic lean:
 //           * K/V tiles stream through a ring of FT_STAGES shared-memory buffers with cp.async: while the

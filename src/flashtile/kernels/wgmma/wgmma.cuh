@@ -1,4 +1,4 @@
-// sm90/wgmma.cuh — Hopper's warpgroup matrix products (wgmma.mma_async, sm_90a) and what they need around them.
+// wgmma/wgmma.cuh — Hopper's warpgroup matrix products (wgmma.mma_async, sm_90a) and what they need around them.
 //
 // A warpgroup (4 consecutive warps, 128 threads) issues one m64nNk16 product asynchronously; its fp32
 // accumulators live in registers, per warp 16 rows in mma.sync's C layout (element 4j + e of a thread: row

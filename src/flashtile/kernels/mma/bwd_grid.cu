@@ -1,4 +1,4 @@
-// sm80/bwd_grid.cu — the backward pass of rung 4 for head dim 192 on Hopper (mma.sync).
+// mma/bwd_grid.cu — the backward pass of rung 4 for head dim 192 on Hopper (mma.sync).
 //
 // Idea:     FlashAttention-2's backward. Nothing of size seqlen x seqlen is stored: each block owns one
 //           tile of kBlockN keys, keeps K and V in shared memory and dK, dV in registers, and streams the
@@ -15,18 +15,18 @@
 //           GQA: a block serves one key/value head and loops over the query heads of its group, so dK and
 //           dV are summed in registers — no atomics. deterministic mode: the dQ additions of the blocks
 //           that share a query tile take turns in a fixed order (a per-tile turn counter), key blocks launched
-//           with the heads fastest (key_block_of in bwd_common.cuh says why).
+//           with the heads fastest (key_block_of in bwd_frame.cuh says why).
 // Beside:   bwd.cu, 16 keys per warp with P and dS fed from registers, serves head dims up to 128 (faster
 //           there: fewer instructions, no P/dS round trip), score modifications and GPUs whose shared memory
 //           cannot hold this kernel's d192/d256 tiles. Past d128 bwd.cu's dK and dV do not fit the registers
 //           together and it runs two passes; this kernel's warp grids spread them over the block (each warp
 //           32 keys x 64 columns at d256) and run one pass, where bwd.cu recomputes S in each of its two. On
-//           Hopper d64, d128 and d256 now run sm90/bwd.cu (wgmma), so the library asks this kernel for d192
+//           Hopper d64, d128 and d256 now run wgmma/bwd.cu (wgmma), so the library asks this kernel for d192
 //           only; scripts/tune_bwd.py still times it at any head dim.
 // Measured: see docs/performance.md (backward rows) and docs/notes.md.
 // Wastes:   dQ leaves through fp32 atomics (FA3 does the same); P and dS make a round trip through shared
 //           memory; mma.sync on Hopper, as in the forward.
-#include "bwd_common.cuh"
+#include "../common/bwd_frame.cuh"
 
 // The three warp grids. Phase 1: keys x queries of S^T/dP^T. Phase 2: keys x columns of dK/dV.
 // Phase 3: queries x columns of dQ. Each warp's tile is kSlabs* slabs of 16 rows by k*Tiles n8 tiles.
@@ -113,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int g = lane / kQuad, t = lane % kQuad;
 
-    const KeyBlock block = key_block_of(p);  // deterministic mode: heads fastest (bwd_common.cuh)
+    const KeyBlock block = key_block_of(p);  // deterministic mode: heads fastest (bwd_frame.cuh)
     const int n_block = block.n_block, h_kv = block.h_kv, b = blockIdx.z;
     const int h_first = h_kv * f.group;
     const Problem pr0 = locate_problem(f, b, h_first);
