@@ -35,12 +35,15 @@ class Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zero tensor allocated and filled per call
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout: Tensor, _dlse: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:  # out did not reach the loss
+            return None, None, None, None
         dq, dk, dv = ctx.call.backward(dout, q, k, v, out, lse)
         return dq, dk, dv, None
 

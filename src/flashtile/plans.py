@@ -8,7 +8,7 @@ allocated by :func:`empty_outputs` and :func:`empty_grads` alone, so tests can p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,7 @@ assert all(fmt == "Q" for _, fmt in launch.BWD_EXTRA_FIELDS[:BWD_ADDRESS_FIELDS]
 ALIGN_BYTES = 16             # the kernels' vector loads: every operand's base address is a multiple of this
 FP32 = torch.float32
 SCRATCH_ALIGN_FLOATS = 64    # scratch regions inside one fp32 buffer start on 256-byte boundaries
+MAX_KEPT_MAPS = 64           # K/V address pairs a plan keeps maps for (a static KV cache, the allocator's reuse)
 
 
 def empty_outputs(q: torch.Tensor, out_shape: tuple[int, ...] | None, lse_shape: tuple[int, ...] | None):
@@ -49,6 +50,8 @@ class FwdPlan:
     scratch_floats: int                 # fp32 scratch the kernels share (rung 0's scores); 0: none
     tail: tuple                         # the params after the address fields
     kv_box_rows: int | None             # None: one kernel argument; else tma.kernel_argument's box rows
+    # K's and V's tensor maps by address: the plan fixes everything else a map describes.
+    maps: dict[tuple[int, int], bytes] = field(default_factory=dict, compare=False)
 
     def run(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None):
         """(out, lse). The operands' base addresses are 16-byte aligned (dispatch.kernel_ready, or the caller's
@@ -61,7 +64,13 @@ class FwdPlan:
             addresses += (0, 0, 0)
         else:
             addresses += (_address(cu_seqlens_q), _address(cu_seqlens_k), _address(alibi_slopes))
-        extra = None if self.kv_box_rows is None else tma.kernel_argument(k, v, self.kv_box_rows)
+        extra = None
+        if self.kv_box_rows is not None:
+            extra = self.maps.get(addresses[1:3])
+            if extra is None:
+                if len(self.maps) >= MAX_KEPT_MAPS:
+                    self.maps.clear()
+                extra = self.maps[addresses[1:3]] = tma.kernel_argument(k, v, self.kv_box_rows)
         launch.run(self.launches, addresses + self.tail, launch.PARAMS_STRUCT, extra)
         return o, lse
 
