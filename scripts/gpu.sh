@@ -2,7 +2,8 @@
 # The GPU machine's work, in calls that fit its 10-minute limit. Logs and results go to $OUT; a short
 # summary is printed last. Usage: scripts/gpu.sh MODE, where MODE is
 #   tests  every test, the sanitizers (memcheck, racecheck) and `flashtile check`
-#   bench  `flashtile bench ladder`, the standard matrix (forward and backward) and the host overhead
+#   bench  `flashtile bench ladder`, the standard matrix (training and inference forward, backward) and the host
+#          overhead beside sdpa-flash
 #   quick  the GPU kernel tests only;  tune  bench plus the tile sweeps of scripts/tune_*.py
 set -uo pipefail
 MODE=${1:-tests}
@@ -35,7 +36,7 @@ fi
 if [ "$MODE" = bench ] || [ "$MODE" = tune ]; then
     step bench bench.log python3 -m flashtile bench ladder --shape 4,16,4096,64 --dtype bf16 --out "$OUT/docs"
     step matrix matrix.log python3 -m flashtile bench matrix --out "$OUT/docs"
-    step overhead overhead.log python3 scripts/overhead.py
+    step overhead overhead.log python3 scripts/overhead.py --out "$OUT/docs"
     [ "$MODE" = bench ] && step hf hf.log python3 -m pytest -q -p no:cacheprovider tests/test_hf_gpu.py
 fi
 if [ "$MODE" = tune ]; then

@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
 from flashtile import api, dispatch, launch, registry, tma
-from flashtile.bench import measure
+from flashtile.bench import measure, report
 from flashtile.bench.system import describe
 from flashtile.forward import FwdProblem
 
@@ -93,7 +93,7 @@ def main() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"shape": SHAPE, "dtype": "bf16", "causal": True, "per_call_us": table,
                                     "pieces_us": parts, "system": describe()}, indent=1))
-        print(f"wrote {path}")
+        print(f"wrote {path} and {report.write_performance(Path(args.out))}")
 
 
 if __name__ == "__main__":
