@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import torch
 
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2E)
+MAX_GRID_BATCH = 65535        # a grid's z dimension, where the kernels put the batch: larger batches go in parts
 
 
 @dataclass(slots=True)
@@ -68,6 +70,21 @@ class FwdProblem:
     def causal(self) -> bool:
         return self.window[1] == 0
 
+    def batch_parts(self):
+        """(b0, b1, the problem of batch entries b0..b1-1) in parts a grid can hold (views: nothing is copied).
+        Varlen parts keep the packed tensors whole and take their slice of the offsets."""
+        for b0 in range(0, self.batch, MAX_GRID_BATCH):
+            b1 = min(b0 + MAX_GRID_BATCH, self.batch)
+            slopes = self.alibi_slopes
+            if slopes is not None and slopes.dim() == 2:
+                slopes = slopes[b0:b1]
+            if self.varlen:
+                yield b0, b1, dataclasses.replace(self, cu_seqlens_q=self.cu_seqlens_q[b0:b1 + 1],
+                                                  cu_seqlens_k=self.cu_seqlens_k[b0:b1 + 1], alibi_slopes=slopes)
+            else:
+                yield b0, b1, dataclasses.replace(self, q=self.q[b0:b1], k=self.k[b0:b1], v=self.v[b0:b1],
+                                                  alibi_slopes=slopes)
+
     def out_shape(self) -> tuple[int, ...] | None:
         """The output's shape where it differs from q's (a v head dim unlike q's); None: the output is like q."""
         q = self.q
@@ -109,6 +126,7 @@ class FwdProblem:
             seqlen_q, seqlen_k, q.shape[-1], v.shape[-1],
             self.scale, self.scale * LOG2E, self.softcap,
             self.window[0], self.window[1],
+            q.shape[0] if self.varlen else 0, k.shape[0] if self.varlen else 0,
         )
 
 

@@ -21,6 +21,10 @@ constexpr int kWarpSize = 32;
 constexpr unsigned kFullWarpMask = 0xffffffffu;
 constexpr int kBytesPerVector = 16;  // one 16-byte global or shared access (ld.global.v4.u32)
 
+// Whether a row's softmax sum makes a log-sum-exp: 0 when the row saw no key (its LSE is -inf), NaN when it read
+// a NaN (its LSE must be NaN as its output is, so NaN counts as seen).
+__device__ __forceinline__ bool saw_keys(float row_sum) { return !(row_sum <= 0.f); }
+
 struct f16_t { u16 bits; };
 struct bf16_t { u16 bits; };
 

@@ -50,13 +50,13 @@ naive_softmax(const __grid_constant__ AttnParams p) {
     const float shift = row_max == kNegInf ? 0.f : row_max;
     float row_sum = 0.f;
     for (int j = 0; j < p.seqlen_k; ++j) row_sum += __expf(s[j] - shift);
-    const float inv_sum = row_sum > 0.f ? 1.f / row_sum : 0.f;
+    const float inv_sum = saw_keys(row_sum) ? 1.f / row_sum : 0.f;
     for (int j = 0; j < p.seqlen_k; ++j) s[j] = __expf(s[j] - shift) * inv_sum;
     if (p.lse != nullptr) {
         const int i = (int)(row % p.seqlen_q);
         const int bh = (int)(row / p.seqlen_q);
         const Problem pr = locate_problem(p, bh / p.heads_q, bh % p.heads_q);
-        p.lse[pr.lse_offset + i] = row_sum > 0.f ? shift + __logf(row_sum) : kNegInf;
+        p.lse[pr.lse_offset + i] = saw_keys(row_sum) ? shift + __logf(row_sum) : kNegInf;
     }
 }
 

@@ -65,12 +65,12 @@ fused_fwd(const __grid_constant__ AttnParams p) {
         m = m_new;
     }
 
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    const float inv_l = saw_keys(l) ? 1.f / l : 0.f;
     elem_t* o = static_cast<elem_t*>(p.o) + pr.o_offset + i * p.o_row_stride;
 #pragma unroll
     for (int t = 0; t < kDimsPerLane; ++t) {
         const int d = lane + t * kWarpSize;
         if (d < p.head_dim_v) o[d] = from_float<elem_t>(acc[t] * inv_l);
     }
-    if (p.lse != nullptr && lane == 0) p.lse[pr.lse_offset + i] = l > 0.f ? m + __logf(l) : kNegInf;
+    if (p.lse != nullptr && lane == 0) p.lse[pr.lse_offset + i] = saw_keys(l) ? m + __logf(l) : kNegInf;
 }

@@ -183,7 +183,7 @@ tiled_fwd(const __grid_constant__ AttnParams p) {
         const int i = m0 + ty * kRowsPerThread + r;
         const float l = row_sum16(row_l[r]);
         if (i >= pr.seqlen_q) continue;
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;
+        const float inv_l = saw_keys(l) ? 1.f / l : 0.f;
 #pragma unroll
         for (int dv = 0; dv < kDimVecsPerThread; ++dv)
 #pragma unroll
@@ -191,6 +191,6 @@ tiled_fwd(const __grid_constant__ AttnParams p) {
                 const int d = (tx + kThreadGrid * dv) * kFloatsPerVec + e;
                 if (d < p.head_dim_v) o[(i64)i * p.o_row_stride + d] = from_float<elem_t>(acc[r][dv][e] * inv_l);
             }
-        if (p.lse != nullptr && tx == 0) p.lse[pr.lse_offset + i] = l > 0.f ? row_m[r] + __logf(l) : kNegInf;
+        if (p.lse != nullptr && tx == 0) p.lse[pr.lse_offset + i] = saw_keys(l) ? row_m[r] + __logf(l) : kNegInf;
     }
 }

@@ -158,7 +158,7 @@ mma_fwd(const __grid_constant__ AttnParams p) {
     for (int half = 0; half < 2; ++half) {
         const float l = quad_sum(row_sum[half]);
         if (row[half] >= pr.seqlen_q) continue;
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;
+        const float inv_l = saw_keys(l) ? 1.f / l : 0.f;
 #pragma unroll
         for (int j = 0; j < kOutTiles; ++j) {
             const int col = j * kMmaN + 2 * t;
@@ -166,6 +166,6 @@ mma_fwd(const __grid_constant__ AttnParams p) {
                 *reinterpret_cast<u32*>(out + (i64)row[half] * p.o_row_stride + col) =
                     pack2<elem_t>(o[j][2 * half] * inv_l, o[j][2 * half + 1] * inv_l);
         }
-        if (p.lse != nullptr && t == 0) p.lse[pr.lse_offset + row[half]] = l > 0.f ? row_max[half] + __logf(l) : kNegInf;
+        if (p.lse != nullptr && t == 0) p.lse[pr.lse_offset + row[half]] = saw_keys(l) ? row_max[half] + __logf(l) : kNegInf;
     }
 }

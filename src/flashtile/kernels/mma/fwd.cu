@@ -326,7 +326,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
         for (int half = 0; half < 2; ++half) {
             const int local_row = warp_row0 + sl * kMmaM + g + 8 * half;
             const float l = quad_sum(row_sum[sl][half]);
-            const float inv_l = l > 0.f ? 1.f / l : 0.f;
+            const float inv_l = saw_keys(l) ? 1.f / l : 0.f;
 #pragma unroll
             for (int j = 0; j < kOutTiles; ++j)
                 *reinterpret_cast<u32*>(smem.q + OTile::offset(local_row, j * kMmaN + 2 * t)) =
@@ -334,7 +334,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
             const int row = m0 + local_row;
             if (p.lse != nullptr && t == 0 && row < pr.seqlen_q)
                 p.lse[pr.lse_offset + row] =
-                    l > 0.f ? (row_max[sl][half] * log2_factor + __log2f(l)) / kLog2e : kNegInf;
+                    saw_keys(l) ? (row_max[sl][half] * log2_factor + __log2f(l)) / kLog2e : kNegInf;
         }
     __syncwarp();
     constexpr int kVecsPerRow = kHeadDimV / kElemsPerVector;
