@@ -5,7 +5,7 @@ import sys
 import torch
 
 import flashtile
-from flashtile import ladder
+from flashtile import ladder, ops
 
 first_rung = int(sys.argv[1]) if len(sys.argv) > 1 else 0
 for rung in ladder.RUNGS[first_rung:]:
@@ -34,5 +34,13 @@ for d, dv, options in ((64, 64, {"causal": True}), (128, 128, {"deterministic": 
     flashtile.attention(q, k, v, **options).sum().backward()
 qv = qv.detach().requires_grad_()
 flashtile.varlen_attention(qv, qv, qv, cu, cu, 75, 75, causal=True).sum().backward()
+# Offsets that lie (past the packed rows, falling, longer than max_seqlen): the kernels clamp them on the device.
+lying = torch.tensor([0, 30, 10**6, 20, -5, 80], dtype=torch.int32, device="cuda")
+out, lse = ops.forward(qv, qv, qv, lying, lying, 40, 40, 0.125, -1, 0, 0.0, None, False)
+ops.backward_op(torch.randn_like(out), qv, qv, qv, out, lse, lying, lying, 40, 40, 0.125, -1, 0, 0.0, None, False)
+# The gradient of the log-sum-exp enters between the preprocess and the main kernel.
+q = torch.randn(2, 70, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+out, lse = flashtile.attention(q, q, q, causal=True, return_lse=True)
+torch.autograd.grad((out, lse), q, (torch.randn_like(out), torch.randn_like(lse)))
 torch.cuda.synchronize()
 print("sanitize: every rung and the backward ran")

@@ -112,15 +112,28 @@ def head_groups(problem: FwdProblem, module: launch.LoadedModule, query_rows: in
 
 
 def run(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, lse: torch.Tensor,
-        dout: torch.Tensor, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of `problem` (q/k/v, out and dout kernel-ready), in head groups where the accumulator is large."""
+        dout: torch.Tensor, deterministic: bool,
+        dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of `problem` (q/k/v, out and dout kernel-ready), in batch parts a grid can hold and in head
+    groups where the accumulator is large. `dlse`: the gradient of the log-sum-exp, or None."""
     grads = plans.empty_grads(problem.q, problem.k, problem.v)
+    for b0, b1, part in problem.batch_parts():
+        if problem.varlen:  # the packed tensors stay whole: each part's offsets say which rows are its own
+            _run_head_groups(part, module, out, lse, dout, grads, dlse, deterministic)
+        else:
+            _run_head_groups(part, module, out[b0:b1], lse[b0:b1], dout[b0:b1], tuple(g[b0:b1] for g in grads),
+                             None if dlse is None else dlse[b0:b1], deterministic)
+    return grads
+
+
+def _run_head_groups(problem: FwdProblem, module: launch.LoadedModule, out, lse, dout, grads, dlse,
+                     deterministic: bool) -> None:
     chunk = head_groups(problem, module, lse.numel() // problem.heads_q)
     if chunk >= problem.heads_kv:
         plan(problem, module, out, lse, dout, grads, deterministic).run(
             dout, problem.q, problem.k, problem.v, out, lse, problem.cu_seqlens_q, problem.cu_seqlens_k,
-            problem.alibi_slopes, grads=grads)
-        return grads
+            problem.alibi_slopes, grads=grads, dlse=dlse)
+        return
     group = problem.heads_q // problem.heads_kv
     for h0 in range(0, problem.heads_kv, chunk):
         kv, qh = slice(h0, h0 + chunk), slice(h0 * group, (h0 + chunk) * group)
@@ -128,8 +141,8 @@ def run(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, lse
         part = dataclasses.replace(problem, q=problem.q[..., qh, :], k=problem.k[..., kv, :], v=problem.v[..., kv, :],
                                    alibi_slopes=slopes)
         part_lse = (lse[qh] if problem.varlen else lse[:, qh]).contiguous()
+        part_dlse = None if dlse is None else dlse[qh] if problem.varlen else dlse[:, qh]
         part_grads = (grads[0][..., qh, :], grads[1][..., kv, :], grads[2][..., kv, :])
         plan(part, module, out[..., qh, :], part_lse, dout[..., qh, :], part_grads, deterministic).run(
             dout[..., qh, :], part.q, part.k, part.v, out[..., qh, :], part_lse, problem.cu_seqlens_q,
-            problem.cu_seqlens_k, slopes, grads=part_grads)
-    return grads
+            problem.cu_seqlens_k, slopes, grads=part_grads, dlse=part_dlse)

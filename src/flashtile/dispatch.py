@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from . import backward as bwd
 from . import launch, plans, reference, registry, specs
 from .family import Variant
-from .forward import FwdProblem
+from .forward import MAX_GRID_BATCH, FwdProblem
 from .ladder import device_capability
 
 HEAD_DIM_MULTIPLE = 8        # GPU kernels load 16 bytes at a time: head dims are padded to a multiple of 8
@@ -53,8 +53,15 @@ def _cuda_forward(problem: FwdProblem, rung) -> tuple[torch.Tensor, torch.Tensor
     head_dim_v = problem.v.shape[-1]
     problem.q, problem.k, problem.v = kernel_ready(problem.q), kernel_ready(problem.k), kernel_ready(problem.v)
     family, module = load(problem, "fwd", rung)
-    o, lse = family.plan(problem, module).run(problem.q, problem.k, problem.v, problem.cu_seqlens_q,
-                                              problem.cu_seqlens_k, problem.alibi_slopes)
+    if problem.batch <= MAX_GRID_BATCH:
+        o, lse = family.plan(problem, module).run(problem.q, problem.k, problem.v, problem.cu_seqlens_q,
+                                                  problem.cu_seqlens_k, problem.alibi_slopes)
+    else:
+        o, lse = plans.empty_outputs(problem.q, problem.out_shape(), problem.lse_shape())
+        for b0, b1, part in problem.batch_parts():
+            outputs = (o, lse) if problem.varlen else (o[b0:b1], None if lse is None else lse[b0:b1])
+            family.plan(part, module, outputs).run(part.q, part.k, part.v, part.cu_seqlens_q, part.cu_seqlens_k,
+                                                   part.alibi_slopes, out=outputs)
     return (o[..., :head_dim_v] if o.shape[-1] != head_dim_v else o), lse
 
 
@@ -70,16 +77,18 @@ def forward(problem: FwdProblem, rung="auto") -> tuple[torch.Tensor, torch.Tenso
     return reference.attention_chunked(problem.q, problem.k, problem.v, **options)
 
 
-def backward(problem: FwdProblem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of a checked problem, shaped like q, k, v (dk/dv summed over each GQA group)."""
+def backward(problem: FwdProblem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, deterministic: bool,
+             dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of a checked problem, shaped like q, k, v (dk/dv summed over each GQA group); `dlse` is the
+    gradient of the returned log-sum-exp, None when the loss does not use it."""
     q, k, v = problem.q, problem.k, problem.v
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     if q.is_cuda and _backward_kernels_serve(problem):
         ready = dataclasses.replace(problem, q=kernel_ready(q), k=kernel_ready(k), v=kernel_ready(v))
         _, module = load(ready, "bwd")
-        dq, dk, dv = bwd.run(ready, module, kernel_ready(out), lse.contiguous(), kernel_ready(dout), deterministic)
+        dq, dk, dv = bwd.run(ready, module, kernel_ready(out), lse.contiguous(), kernel_ready(dout), deterministic,
+                             dlse)
         return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
     options = dict(causal=False, softmax_scale=problem.scale, window_size=problem.window, softcap=problem.softcap,
                    alibi_slopes=problem.alibi_slopes)
@@ -113,15 +122,15 @@ class PlannedCall:
     def forward(self, q, k, v):
         return self.forward_plan.run(q, k, v)
 
-    def backward(self, dout, q, k, v, out, lse):
-        return self.backward_plan.run(dout, q, k, v, out, lse)
+    def backward(self, dout, q, k, v, out, lse, dlse=None):
+        return self.backward_plan.run(dout, q, k, v, out, lse, dlse=dlse)
 
 
 def planned_call(problem: FwdProblem, rung, deterministic: bool, want_grad: bool) -> PlannedCall | None:
     """The call to keep for a dense, ALiBi-free problem whose operands the kernels take as they are, or None
     (the general path then serves every call with this signature)."""
     q, k, v = problem.q, problem.k, problem.v
-    if (not q.is_cuda or problem.varlen or problem.alibi_slopes is not None
+    if (not q.is_cuda or problem.varlen or problem.alibi_slopes is not None or problem.batch > MAX_GRID_BATCH
             or any(kernel_ready(t) is not t for t in (q, k, v))):
         return None
     family, module = load(problem, "fwd", rung)
@@ -151,5 +160,5 @@ class GeneralCall:
     def forward(self, q, k, v):
         return forward(dataclasses.replace(self.problem, q=q, k=k, v=v), self.rung)
 
-    def backward(self, dout, q, k, v, out, lse):
-        return backward(dataclasses.replace(self.problem, q=q, k=k, v=v), out, lse, dout, self.deterministic)
+    def backward(self, dout, q, k, v, out, lse, dlse=None):
+        return backward(dataclasses.replace(self.problem, q=q, k=k, v=v), out, lse, dout, self.deterministic, dlse)

@@ -31,14 +31,15 @@ def _padded_dims(variant: Variant) -> int:
 
 
 def fwd_plan(problem: FwdProblem, launches: tuple[Launch, ...], scratch_floats: int = 0,
-             kv_box_rows: int | None = None) -> plans.FwdPlan:
-    """The plan of `launches` over `problem`: the params after the addresses are computed here, once."""
-    o, lse = plans.empty_outputs(problem.q, problem.out_shape(), problem.lse_shape())
+             kv_box_rows: int | None = None, outputs: tuple | None = None) -> plans.FwdPlan:
+    """The plan of `launches` over `problem`: the params after the addresses are computed here, once, for
+    outputs laid out as `outputs` (default: as plans.empty_outputs allocates them)."""
+    o, lse = outputs or plans.empty_outputs(problem.q, problem.out_shape(), problem.lse_shape())
     return plans.FwdPlan(launches, problem.out_shape(), problem.lse_shape(), scratch_floats,
                          problem.params(o, lse)[plans.ADDRESS_FIELDS:], kv_box_rows)
 
 
-def _naive_plan(problem: FwdProblem, module: launch.LoadedModule) -> plans.FwdPlan:
+def _naive_plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None = None) -> plans.FwdPlan:
     threads = dict(module.spec.defines)["FT_THREADS"]
     n_rows = problem.batch * problem.heads_q * problem.seqlen_q
     n_scores = n_rows * problem.seqlen_k
@@ -47,17 +48,19 @@ def _naive_plan(problem: FwdProblem, module: launch.LoadedModule) -> plans.FwdPl
         return Launch(module.kernels[entry], (min(-(-n // threads), MAX_GRID_X), 1, 1), threads, 0)
 
     return fwd_plan(problem, (over("naive_scores", n_scores), over("naive_softmax", n_rows),
-                              over("naive_pv", n_rows * problem.head_dim_v)), scratch_floats=n_scores)
+                              over("naive_pv", n_rows * problem.head_dim_v)), scratch_floats=n_scores,
+                    outputs=outputs)
 
 
 def _grid_plan(entry: str, block_m_define: str, threads_of):
     """The plan of a rung that is one kernel over a (query blocks, heads, batch) grid."""
-    def plan(problem: FwdProblem, module: launch.LoadedModule) -> plans.FwdPlan:
+    def plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None = None) -> plans.FwdPlan:
         spec = module.spec
         defines = dict(spec.defines)
         grid = (-(-problem.seqlen_q // defines[block_m_define]), problem.heads_q, problem.batch)
         step = Launch(module.kernels[entry], grid, threads_of(defines), spec.smem_bytes)
-        return fwd_plan(problem, (step,), kv_box_rows=specs.kv_box_rows(spec) if spec.kv_maps else None)
+        return fwd_plan(problem, (step,), kv_box_rows=specs.kv_box_rows(spec) if spec.kv_maps else None,
+                        outputs=outputs)
     return plan
 
 

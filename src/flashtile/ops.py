@@ -34,17 +34,18 @@ class Attention(torch.autograd.Function):
         out, lse = call.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zero tensor allocated and filled per call
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zero tensor per call
         return out, lse
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout: Tensor, _dlse: Tensor):
+    def backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
         q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:  # out did not reach the loss
+        if dout is None and dlse is None:
             return None, None, None, None
-        dq, dk, dv = ctx.call.backward(dout, q, k, v, out, lse)
+        if dout is None:  # only the log-sum-exp reached the loss
+            dout = torch.zeros_like(out)
+        dq, dk, dv = ctx.call.backward(dout, q, k, v, out, lse, dlse)
         return dq, dk, dv, None
 
 
@@ -80,16 +81,18 @@ def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 def backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                 cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
                 max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                alibi_slopes: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention backward: (dq, dk, dv), shaped like q, k, v (dk/dv summed over each GQA group)."""
+                alibi_slopes: Optional[Tensor], deterministic: bool,
+                dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention backward: (dq, dk, dv), shaped like q, k, v (dk/dv summed over each GQA group). `dlse`: the
+    gradient of the forward's log-sum-exp, None when the loss does not use it."""
     problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
                        window_right, softcap, alibi_slopes)
-    return tuple(g.contiguous() for g in dispatch.backward(problem, out, lse, dout, deterministic))
+    return tuple(g.contiguous() for g in dispatch.backward(problem, out, lse, dout, deterministic, dlse))
 
 
 @backward_op.register_fake
 def _backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                   window_left, window_right, softcap, alibi_slopes, deterministic):
+                   window_left, window_right, softcap, alibi_slopes, deterministic, dlse=None):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
@@ -100,13 +103,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     ctx.options = options  # max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap
     ctx.deterministic = deterministic
-    ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
     dq, dk, dv = backward_op(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes,
-                             ctx.deterministic)
+                             ctx.deterministic, dlse)
     return (dq, dk, dv) + (None,) * 10
 
 

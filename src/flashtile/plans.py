@@ -53,10 +53,11 @@ class FwdPlan:
     # K's and V's tensor maps by address: the plan fixes everything else a map describes.
     maps: dict[tuple[int, int], bytes] = field(default_factory=dict, compare=False)
 
-    def run(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None):
-        """(out, lse). The operands' base addresses are 16-byte aligned (dispatch.kernel_ready, or the caller's
-        check): the plan's kernels read them with 16-byte vector loads."""
-        o, lse = empty_outputs(q, self.out_shape, self.lse_shape)
+    def run(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, out=None):
+        """(out, lse): fresh, or written into `out` = (o, lse) laid out as the plan was built. The operands' base
+        addresses are 16-byte aligned (dispatch.kernel_ready, or the caller's check): the plan's kernels read
+        them with 16-byte vector loads."""
+        o, lse = out or empty_outputs(q, self.out_shape, self.lse_shape)
         scratch = torch.empty(self.scratch_floats, dtype=FP32, device=q.device) if self.scratch_floats else None
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), 0 if lse is None else lse.data_ptr(),
                      0 if scratch is None else scratch.data_ptr())
@@ -85,8 +86,12 @@ class BwdPlan:
     accum_floats: int                    # the fp32 dQ accumulator
     semaphore_ints: int                  # deterministic mode's turn counters; 0 when off
 
-    def run(self, dout, q, k, v, o, lse, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, grads=None):
-        """(dq, dk, dv) shaped like q, k, v: fresh, or written into `grads` (laid out as the plan was built)."""
+    def run(self, dout, q, k, v, o, lse, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, grads=None,
+            dlse=None):
+        """(dq, dk, dv) shaped like q, k, v: fresh, or written into `grads` (laid out as the plan was built).
+
+        `dlse`, the gradient of the returned log-sum-exp (None: the loss does not use it), enters as D - dLSE:
+        d lse_i / d s_ij = P_ij, so dS = P * (dP - D + dLSE)."""
         if dout.stride() != self.dout_stride or dout.data_ptr() % ALIGN_BYTES:
             dout = torch.empty_like(o).copy_(dout)
         dq, dk, dv = empty_grads(q, k, v) if grads is None else grads
@@ -99,5 +104,10 @@ class BwdPlan:
                    _address(cu_seqlens_q), _address(cu_seqlens_k), _address(alibi_slopes)) + self.tail
                   + (dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), base + accum_at * 4, base,
                      base + self.lse_floats * 4, _address(semaphore)) + self.bwd_tail)
-        launch.run(self.launches, params, launch.BWD_PARAMS_STRUCT)
+        if dlse is None:
+            launch.run(self.launches, params, launch.BWD_PARAMS_STRUCT)
+        else:
+            launch.run(self.launches[:1], params, launch.BWD_PARAMS_STRUCT)  # the preprocess writes D
+            scratch[:self.lse_floats].view(lse.shape).sub_(dlse)
+            launch.run(self.launches[1:], params, launch.BWD_PARAMS_STRUCT)
         return dq, dk, dv

@@ -73,17 +73,21 @@ class GradComparison:
         return ", ".join(parts) + ("" if self.finite else ", NON-FINITE GRADIENT")
 
 
-def reference_grads(fn, q, k, v, dout, dtype, **options) -> tuple[torch.Tensor, ...]:
-    """dq, dk, dv of `fn(q, k, v, dtype=dtype, **options)[0]` (an attention_ref-like function) by autograd."""
+def reference_grads(fn, q, k, v, dout, dtype, dlse=None, **options) -> tuple[torch.Tensor, ...]:
+    """dq, dk, dv of `fn(q, k, v, dtype=dtype, **options)` (an attention_ref-like function returning out and lse)
+    by autograd, with `dout` the gradient of out and `dlse` (if given) that of lse."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out = fn(*leaves, dtype=dtype, **options)[0]
-    return torch.autograd.grad(out, leaves, dout.to(dtype))
+    out, lse = fn(*leaves, dtype=dtype, **options)
+    if dlse is None:
+        return torch.autograd.grad(out, leaves, dout.to(dtype))
+    return torch.autograd.grad((out, lse), leaves, (dout.to(dtype), dlse.to(dtype)))
 
 
-def compare_grads(q, k, v, dout, grads, fn=attention_ref, **options) -> GradComparison:
-    """Compare a kernel's (dq, dk, dv) with fp64 autograd of the reference, scaled by PyTorch's own error."""
-    ref = reference_grads(fn, q, k, v, dout, torch.float64, **options)
-    theirs = reference_grads(fn, q, k, v, dout, q.dtype, **options)
+def compare_grads(q, k, v, dout, grads, fn=attention_ref, dlse=None, **options) -> GradComparison:
+    """Compare a kernel's (dq, dk, dv) with fp64 autograd of the reference, scaled by PyTorch's own error.
+    `dlse`: the gradient the loss sends to the returned log-sum-exp, if it uses it."""
+    ref = reference_grads(fn, q, k, v, dout, torch.float64, dlse, **options)
+    theirs = reference_grads(fn, q, k, v, dout, q.dtype, dlse, **options)
     errors = {name: (_max_abs(ours, r), _max_abs(t, r))
               for name, ours, r, t in zip(("dq", "dk", "dv"), grads, ref, theirs)}
     return GradComparison(errors, finite=all(bool(torch.isfinite(g).all()) for g in grads))
