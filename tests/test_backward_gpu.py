@@ -176,3 +176,22 @@ def test_heads_in_groups_when_scratch_is_bounded(varlen, monkeypatch, poisoned_g
     grads = torch.autograd.grad(out, (q, k, v), dout)
     result = compare_grads(q, k, v, dout, grads, fn=fn, **options)
     assert result.ok, result
+
+
+def test_the_first_cuda_work_of_the_backward_thread_is_ours():
+    """autograd runs CUDA backwards on a thread of its own, with no current context until the CUDA runtime runs
+    there: in a fresh process whose backward starts with flashtile's launches, the launch makes the device's
+    primary context current instead of failing with CUDA_ERROR_INVALID_CONTEXT."""
+    import subprocess
+    import sys
+
+    script = ("import torch, flashtile\n"
+              "q, k, v = (torch.randn(1, 64, 2, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True)"
+              " for _ in range(3))\n"
+              "out = flashtile.attention(q, k, v, causal=True)\n"
+              "dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))\n"
+              "torch.cuda.synchronize()\n"
+              "assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()\n"
+              "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

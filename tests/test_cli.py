@@ -18,15 +18,15 @@ def test_check_passes_and_covers_the_backward(capsys):
 
 def test_check_reports_a_wrong_gradient(monkeypatch, capsys):
     """A backward that returns wrong gradients makes `check` fail (the check can fail)."""
-    from flashtile import dispatch
+    from flashtile import ops
 
-    original = dispatch.backward
+    original = ops.Attention.backward
 
-    def skewed(*args):
-        dq, dk, dv = original(*args)
-        return dq * 1.01, dk, dv
+    def skewed(ctx, *grads):
+        dq, dk, dv, rest = original(ctx, *grads)
+        return dq * 1.01, dk, dv, rest
 
-    monkeypatch.setattr(dispatch, "backward", skewed)
+    monkeypatch.setattr(ops.Attention, "backward", staticmethod(skewed))
     assert cli.main(["check"]) == 1
     assert "FAIL backward" in capsys.readouterr().out
 

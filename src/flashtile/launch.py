@@ -196,8 +196,13 @@ def run(launches: tuple[Launch, ...], params: tuple, layout: struct.Struct = PAR
             if (len(extra) if extra is not None else 0) != kernel.extra_bytes:
                 raise ValueError(f"this kernel takes a second argument of {kernel.extra_bytes} bytes; "
                                  f"got {None if extra is None else len(extra)}")
-            _check(driver.cuLaunchKernel(kernel.function, *step.grid, step.threads, 1, 1, smem, stream, argv, 0),
-                   "cuLaunchKernel")
+            result = driver.cuLaunchKernel(kernel.function, *step.grid, step.threads, 1, 1, smem, stream, argv, 0)
+            if result[0] == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+                # A thread where the CUDA runtime never ran (autograd's backward thread, whose first CUDA work
+                # may be ours) has no current context: make the device's primary context current, once.
+                jit.cuda_module("cuda.core").Device(device).set_current()
+                result = driver.cuLaunchKernel(kernel.function, *step.grid, step.threads, 1, 1, smem, stream, argv, 0)
+            _check(result, "cuLaunchKernel")
 
 
 def _current_stream(device: int) -> int:
