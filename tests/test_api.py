@@ -1,5 +1,6 @@
 """flashtile.attention on CPU tensors, and every kind of bad input it must refuse with a clear message."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,6 +95,125 @@ def test_plan_signature_covers_tensors_and_options():
     assert key != api._signature(q.transpose(1, 2), q, q, (False, None, (-1, -1)))
     assert api._signature(q, q, q, (False, None, [-1, -1])) is None
     assert api._signature(q.numpy(), q, q, (False, None, (-1, -1))) is None
+
+
+@pytest.fixture
+def packed_problems(monkeypatch):
+    """The checked problems that reach dispatch.forward, each packed into the kernels' params as a launch does."""
+    from flashtile import dispatch, launch
+
+    problems, forward = [], dispatch.forward
+
+    def packing_forward(problem, rung="auto"):
+        out, lse = forward(problem, rung)
+        launch.PARAMS_STRUCT.pack(*problem.params(out, lse))
+        problems.append(problem)
+        return out, lse
+
+    monkeypatch.setattr(dispatch, "forward", packing_forward)
+    return problems
+
+
+@pytest.fixture
+def cached_calls(monkeypatch):
+    """The call cache in use on the CPU: every call is kept (as a general call), as CUDA keeps planned ones."""
+    from flashtile import api, dispatch
+
+    class KeptCall(dispatch.GeneralCall):
+        serves = staticmethod(lambda q, k, v: True)
+
+    monkeypatch.setattr(api, "_calls", {})
+    monkeypatch.setattr(dispatch, "planned_call",
+                        lambda problem, rung, deterministic, grad: KeptCall(problem, deterministic, rung))
+    return api._calls
+
+
+WINDOW_FORMS = {
+    "numpy ints": (np.int64(3), np.int32(0)),
+    "list": [3, 0],
+    "1-d integer tensor": torch.tensor([3, 0]),
+    "0-d integer tensors": tuple(torch.tensor([3, 0])),
+    "numpy array": np.array([3, 0]),
+}
+
+
+@pytest.mark.parametrize("form", WINDOW_FORMS.values(), ids=WINDOW_FORMS.keys())
+def test_window_size_takes_any_pair_of_integers(form):
+    """FlashAttention-2's own tests pass window_size=torch.randint(0, seqlen_k, (2,))."""
+    q, k, v = qkv()
+    expected = flashtile.attention(q, k, v, window_size=(3, 0))
+    torch.testing.assert_close(flashtile.attention(q, k, v, window_size=form), expected, rtol=0, atol=0)
+    cu = torch.tensor([0, 33, 66], dtype=torch.int32)
+    packed = [t.flatten(0, 1) for t in qkv(sk=33)]
+    torch.testing.assert_close(flashtile.varlen_attention(*packed, cu, cu, 33, 33, window_size=form),
+                               flashtile.varlen_attention(*packed, cu, cu, 33, 33, window_size=(3, 0)), rtol=0, atol=0)
+
+
+NOT_WINDOWS = {
+    "floats": (3.0, 0), "a bool": (True, 0), "a float tensor": torch.tensor([3.0, 0.0]),
+    "a 0-d bool tensor": (torch.tensor(True), 0), "numpy bools": np.array([True, False]), "below -1": (-2, 0),
+    "a negative tensor": torch.tensor([3, -5]), "three bounds": (1, 2, 3), "a 0-d tensor": torch.tensor(3),
+    "a 2-d tensor": torch.tensor([[3], [0]]), "a set": {3, 0}, "a string": "30",
+}
+
+
+@pytest.mark.parametrize("window", NOT_WINDOWS.values(), ids=NOT_WINDOWS.keys())
+def test_window_size_refuses_what_is_no_pair_of_integers(window):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="window_size must be a pair of integers >= -1"):
+        flashtile.attention(q, k, v, window_size=window)
+
+
+@pytest.mark.parametrize("window,causal,packed", [
+    ((10**12, 0), False, (-1, 0)),        # a left bound past every key: causal
+    ((2**31, 2**31), False, (-1, -1)),    # no window at all, though neither bound fits an int32
+    ((47, 47), False, (-1, -1)),          # seqlen_k = 47: a bound of 47 lets every key in
+    ((5, 2**40), True, (5, 0)),           # causal: the right bound is 0 whatever was given
+    ((46, 32), False, (46, 32)),          # within the sequences: kept as given
+])
+def test_a_bound_past_the_sequences_is_unbounded(packed_problems, window, causal, packed):
+    q, k, v = qkv()  # seqlen_q 33, seqlen_k 47
+    out = flashtile.attention(q, k, v, window_size=window, causal=causal)
+    assert packed_problems[-1].window == packed
+    torch.testing.assert_close(out, flashtile.attention(q, k, v, window_size=packed), rtol=0, atol=0)
+    torch.testing.assert_close(out.double(), attention_ref(q, k, v, window_size=window, causal=causal)[0],
+                               rtol=0, atol=1e-5)
+
+
+def test_a_right_bound_short_of_a_longer_q_is_kept(packed_problems):
+    """With seqlen_q > seqlen_k the first rows' diagonals lie before the first key: a right bound of seqlen_k
+    still hides keys from them, so only a bound reaching past the longer sequence is dropped."""
+    q, k, v = qkv(sq=47, sk=33)
+    out = flashtile.attention(q, k, v, window_size=(-1, 33))
+    assert packed_problems[-1].window == (-1, 33)
+    torch.testing.assert_close(out.double(), attention_ref(q, k, v, window_size=(-1, 33))[0], rtol=0, atol=1e-5)
+
+
+def test_varlen_bounds_past_the_longest_sequences_are_unbounded(packed_problems):
+    q, k, v = (t.flatten(0, 1) for t in qkv(sk=33))
+    cu = torch.tensor([0, 20, 66], dtype=torch.int32)  # lengths 20 and 46: max_seqlen 46
+    out = flashtile.varlen_attention(q, k, v, cu, cu, 46, 46, window_size=(46, 2**31))
+    assert packed_problems[-1].window == (-1, -1)
+    torch.testing.assert_close(out, flashtile.varlen_attention(q, k, v, cu, cu, 46, 46), rtol=0, atol=0)
+    flashtile.varlen_attention(q, k, v, cu, cu, 46, 46, window_size=(45, 0))
+    assert packed_problems[-1].window == (45, 0)
+
+
+def test_the_call_cache_keys_on_window_values_not_forms(cached_calls):
+    """A kept call must not serve a refused form equal to an accepted one (3.0 == 3), nor a window tensor
+    changed in place since it was kept."""
+    q, k, v = qkv()
+    flashtile.attention(q, k, v, window_size=(3, 0))
+    assert len(cached_calls) == 1
+    with pytest.raises(ValueError, match="window_size"):
+        flashtile.attention(q, k, v, window_size=(3.0, 0))
+    window = torch.tensor([3, 0])
+    torch.testing.assert_close(flashtile.attention(q, k, v, window_size=window),
+                               flashtile.attention(q, k, v, window_size=(3, 0)), rtol=0, atol=0)
+    window[0] = 7
+    torch.testing.assert_close(flashtile.attention(q, k, v, window_size=window),
+                               flashtile.attention(q, k, v, window_size=(7, 0)), rtol=0, atol=0)
+    assert len(cached_calls) == 2
 
 
 def test_kernel_ready_copies_only_what_the_kernels_cannot_read():

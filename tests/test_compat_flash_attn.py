@@ -2,6 +2,7 @@
 
 import inspect
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,6 +149,46 @@ def test_varlen_packed_variants():
     assert none is None and kv.grad.abs().sum() > 0
 
 
+def test_fa2_window_size_forms_of_its_own_suite():
+    """FlashAttention-2's tests pass window_size=torch.randint(0, seqlen_k, (2,)): a 2-element integer tensor."""
+    window = torch.randint(0, 13, (2,), generator=torch.Generator().manual_seed(0))
+    as_ints = tuple(window.tolist())
+    q, k, v = dense()
+    expected = flashtile.flash_attn_func(q, k, v, window_size=as_ints)
+    torch.testing.assert_close(expected.double(), attention_ref(q, k, v, window_size=as_ints)[0], rtol=0, atol=ATOL)
+    for form in (window, tuple(window), tuple(window.numpy())):
+        torch.testing.assert_close(flashtile.flash_attn_func(q, k, v, window_size=form), expected, rtol=0, atol=0)
+        out = flashtile.flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), window_size=form)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    qkv = rand(2, 13, 3, 4, 16, seed=8)
+    torch.testing.assert_close(flashtile.flash_attn_qkvpacked_func(qkv, causal=True, window_size=window),
+                               flashtile.flash_attn_qkvpacked_func(qkv, causal=True, window_size=as_ints),
+                               rtol=0, atol=0)
+
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_batch()
+    expected = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, window_size=as_ints)
+    for call in (lambda w: flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, window_size=w),
+                 lambda w: flashtile.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], dim=1), cu_q, cu_k,
+                                                                     max_q, max_k, window_size=w)):
+        torch.testing.assert_close(call(window), expected, rtol=0, atol=0)
+    packed = rand(11, 3, 4, 16, seed=9)
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+    torch.testing.assert_close(flashtile.flash_attn_varlen_qkvpacked_func(packed, cu, 7, window_size=window),
+                               flashtile.flash_attn_varlen_qkvpacked_func(packed, cu, 7, window_size=as_ints),
+                               rtol=0, atol=0)
+
+
+def test_fa2_bounds_past_the_sequence_are_unbounded():
+    """FlashAttention-2 reads a bound at or past the sequence as unbounded, at any size (here past int32)."""
+    q, k, v = dense()
+    torch.testing.assert_close(flashtile.flash_attn_func(q, k, v, window_size=(2**31, 0)),
+                               flashtile.flash_attn_func(q, k, v, causal=True), rtol=0, atol=0)
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_batch()
+    torch.testing.assert_close(
+        flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, window_size=np.array([2**40, 2**40])),
+        flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("call,error,match", [
     (lambda: flashtile.flash_attn_qkvpacked_func(rand(2, 5, 2, 4, 8)), ValueError, r"qkv must have shape"),
     (lambda: flashtile.flash_attn_qkvpacked_func(rand(5, 3, 4, 8)), ValueError, r"qkv must have shape"),
@@ -155,6 +196,7 @@ def test_varlen_packed_variants():
     (lambda: flashtile.flash_attn_kvpacked_func(rand(2, 5, 4, 8), [1, 2]), TypeError, r"kv must be a torch.Tensor"),
     (lambda: flashtile.flash_attn_func(rand(2, 5, 4, 8), rand(2, 5, 3, 8), rand(2, 5, 3, 8)), ValueError, "heads"),
     (lambda: flashtile.flash_attn_func(*dense(), window_size=(-2, 0)), ValueError, "window_size"),
+    (lambda: flashtile.flash_attn_func(*dense(), window_size=torch.tensor([2.0, 0.0])), ValueError, "window_size"),
     (lambda: flashtile.flash_attn_varlen_func(*varlen_batch()[:5], 7, "7"), ValueError, "max_seqlen_k"),
 ])
 def test_fa2_bad_input(call, error, match):

@@ -7,8 +7,10 @@ reaches a kernel, so a caller never sees a CUDA error, a crash or a silently wro
 from __future__ import annotations
 
 import math
+import operator
 from numbers import Real
 
+import numpy as np
 import torch
 
 from . import dispatch, ladder, ops, reference
@@ -16,6 +18,8 @@ from .forward import FwdProblem, default_scale
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+UNBOUNDED = -1                        # a window bound that lets every key in
+NO_WINDOW = (UNBOUNDED, UNBOUNDED)    # the default window_size (the fast path tests it by identity)
 
 
 def _check_tensor(name: str, t, rank: int, what: str) -> None:
@@ -48,18 +52,47 @@ def _check_family(q, k, v) -> None:
             raise ValueError(f"{name} must be between 1 and {MAX_HEAD_DIM}, got {dim}")
 
 
-def _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch: int | None) -> tuple[float, tuple]:
-    if softmax_scale is None and alibi_slopes is None and softcap == 0.0 and window_size == (-1, -1):
-        return default_scale(q.shape[-1]), (-1, -1)  # the common call: nothing else to check
+def as_int(value) -> int | None:
+    """value as a Python int when it is an integer (Python or NumPy, or a 0-d integer tensor) and not a bool;
+    otherwise None. FlashAttention-2 takes integers in all these forms."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor)
+                                               and (value.dim() != 0 or value.dtype == torch.bool)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _window_pair(window_size) -> tuple[int, int]:
+    """window_size as two Python ints >= -1. Any pair of integers will do, as for FlashAttention-2: a tuple or
+    list of Python or NumPy ints or 0-d integer tensors, or a 1-d integer tensor or array of two."""
+    pair = window_size.tolist() if isinstance(window_size, (torch.Tensor, np.ndarray)) else window_size
+    if isinstance(pair, (tuple, list)) and len(pair) == 2:
+        left, right = as_int(pair[0]), as_int(pair[1])
+        if left is not None and right is not None and left >= UNBOUNDED and right >= UNBOUNDED:
+            return left, right
+    raise ValueError(f"window_size must be a pair of integers >= -1 (-1 = unbounded), got {window_size!r}")
+
+
+def _window(window_size, reach: int) -> tuple[int, int]:
+    """The checked window with every bound at or past `reach`, the longer sequence length, made -1: such a bound
+    lets every key in, and only -1 says so in the kernels' int32 params whatever its size."""
+    return tuple(UNBOUNDED if bound >= reach else bound for bound in _window_pair(window_size))
+
+
+def _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch: int | None,
+                   reach: int) -> tuple[float, tuple[int, int]]:
+    """(scale, window) checked and normalised; `reach` is the longer of seqlen_q and seqlen_k."""
+    if softmax_scale is None and alibi_slopes is None and softcap == 0.0 and window_size is NO_WINDOW:
+        return default_scale(q.shape[-1]), NO_WINDOW  # the common call: nothing else to check
     if softmax_scale is None:
         scale = default_scale(q.shape[-1])
     elif isinstance(softmax_scale, Real) and not isinstance(softmax_scale, bool) and math.isfinite(softmax_scale):
         scale = float(softmax_scale)
     else:
         raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)):
-        raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
+    window = _window(window_size, reach)
     if not (isinstance(softcap, Real) and math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
     if alibi_slopes is not None:
@@ -74,7 +107,7 @@ def _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch: 
         if tuple(alibi_slopes.shape) not in allowed or alibi_slopes.stride(-1) != 1:
             raise ValueError(f"alibi_slopes must have shape (heads_q,) or (batch, heads_q) = {allowed}, "
                              f"contiguous in the last dim; got {tuple(alibi_slopes.shape)}")
-    return scale, tuple(window_size)
+    return scale, window
 
 
 def _check_flags(deterministic, rung) -> None:
@@ -116,7 +149,17 @@ def _signature(q, k, v, options: tuple) -> tuple | None:
     return key
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+def _key_window(window_size) -> tuple[int, int]:
+    """window_size in a form the call cache can key on: as given when it is a tuple of two Python ints, otherwise
+    checked and converted to one. A tensor can change in place under its key, and a float equals an int
+    (3.0 == 3) whose accepted key it would share though the checks refuse it."""
+    if (window_size.__class__ is tuple and len(window_size) == 2
+            and window_size[0].__class__ is int and window_size[1].__class__ is int):
+        return window_size
+    return _window_pair(window_size)
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
               alibi_slopes=None, return_lse=False, deterministic=False, rung="auto"):
     """Exact attention, FlashAttention layout.
 
@@ -126,7 +169,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
            of heads_kv (GQA/MQA); seqlen_q may differ from seqlen_k.
         causal: mask aligned to the bottom-right corner (FlashAttention >= 2.1).
         softmax_scale: defaults to 1 / sqrt(head_dim).
-        window_size: (left, right) sliding-window bounds, -1 = unbounded.
+        window_size: (left, right) sliding-window bounds, any pair of integers; -1, or a bound at or past the
+            longer sequence, is unbounded.
         softcap: if > 0, scores become softcap * tanh(scores / softcap).
         alibi_slopes: float32 (heads_q,) or (batch, heads_q); adds -slope * |i + seqlen_k - seqlen_q - j|.
         return_lse: also return the fp32 log-sum-exp (batch, heads_q, seqlen_q).
@@ -138,6 +182,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     compiling = torch.compiler.is_compiling()
     key = None
     if alibi_slopes is None and not compiling:
+        if window_size is not NO_WINDOW:
+            window_size = _key_window(window_size)
         key = _signature(q, k, v, (causal, softmax_scale, window_size, softcap, return_lse, deterministic, rung))
         call = _calls.get(key) if key is not None else None
         if call is not None and call.serves(q, k, v):
@@ -151,7 +197,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         raise ValueError(f"q, k and v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
     if v.shape[1] != k.shape[1]:
         raise ValueError(f"k and v must have the same seqlen, got {k.shape[1]} and {v.shape[1]}")
-    scale, window = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, q.shape[0])
+    scale, window = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, q.shape[0],
+                                   max(q.shape[1], k.shape[1]))
     _check_flags(deterministic, rung)
     grad = _differentiable(q, k, v, rung)
     _check_device(q, rung)
@@ -203,7 +250,7 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                     softmax_scale=None, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
                      return_lse=False, deterministic=False, rung="auto"):
     """Exact attention over a batch of sequences of different lengths, packed without padding.
 
@@ -225,7 +272,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k", q.device) != batch:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {cu_seqlens_q.numel()} "
                          f"and {cu_seqlens_k.numel()} offsets")
-    scale, window = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch)
+    scale, window = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch,
+                                   max(max_seqlen_q, max_seqlen_k))
     _check_flags(deterministic, rung)
     grad = _differentiable(q, k, v, rung)
     _check_device(q, rung)

@@ -20,7 +20,7 @@ from numbers import Real
 
 import torch
 
-from ..api import attention, varlen_attention
+from ..api import NO_WINDOW, attention, varlen_attention
 
 QKV_PACKED = 3   # q, k and v stacked along one dimension of a packed tensor
 KV_PACKED = 2    # k and v stacked along one dimension of a packed tensor
@@ -64,7 +64,7 @@ def _result(result, return_attn_probs: bool):
     return out, softmax_lse, None
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """Attention over (batch, seqlen, heads, head_dim) tensors, as ``flash_attn.flash_attn_func``.
 
@@ -74,7 +74,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         dropout_p: must be 0.0 (dropout is not supported yet).
         softmax_scale: defaults to 1 / sqrt(head_dim).
         causal: causal mask aligned to the bottom-right corner (as FlashAttention >= 2.1).
-        window_size: (left, right) sliding window, -1 = unbounded.
+        window_size: (left, right) sliding window, any pair of integers (ints, a 2-element integer tensor); -1, or a
+            bound at or past the longer sequence, is unbounded.
         softcap: if > 0, scores become softcap * tanh(scores / softcap).
         alibi_slopes: float32 (heads_q,) or (batch, heads_q).
         deterministic: a bitwise repeatable backward pass.
@@ -90,7 +91,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return _result(result, return_attn_probs)
 
 
-def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW,
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """As :func:`flash_attn_func` with q, k and v stacked: qkv is (batch, seqlen, 3, heads, head_dim)."""
     q, k, v = _unpack("qkv", qkv, QKV_PACKED, 5, "(batch, seqlen, 3, heads, head_dim)")
@@ -98,7 +99,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                            deterministic, return_attn_probs)
 
 
-def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW,
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """As :func:`flash_attn_func` with k and v stacked: kv is (batch, seqlen_k, 2, heads_kv, head_dim)."""
     k, v = _unpack("kv", kv, KV_PACKED, 5, "(batch, seqlen_k, 2, heads_kv, head_dim)")
@@ -107,8 +108,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
     """Attention over sequences packed without padding, as ``flash_attn.flash_attn_varlen_func``.
 
     Args:
@@ -132,7 +133,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
-                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """As :func:`flash_attn_varlen_func` with q, k and v stacked: qkv is (total, 3, heads, head_dim)."""
     q, k, v = _unpack("qkv", qkv, QKV_PACKED, 4, "(total, 3, heads, head_dim)")
@@ -141,7 +142,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """As :func:`flash_attn_varlen_func` with k and v stacked: kv is (total_k, 2, heads_kv, head_dim)."""
     k, v = _unpack("kv", kv, KV_PACKED, 4, "(total_k, 2, heads_kv, head_dim)")
