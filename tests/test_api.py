@@ -216,6 +216,52 @@ def test_the_call_cache_keys_on_window_values_not_forms(cached_calls):
     assert len(cached_calls) == 2
 
 
+UNHOLDABLE = {
+    "scale past float32": ("softmax_scale", 1e39),  # finite as a Python float, inf as the kernels' float32
+    "scale past -float32": ("softmax_scale", -1e39),
+    "scale * log2(e) past float32": ("softmax_scale", 3e38),
+    "scale past float64": ("softmax_scale", 10**400),
+    "scale an inf tensor": ("softmax_scale", torch.tensor(float("inf"))),
+    "softcap past float32": ("softcap", 1e39),
+    "1 / softcap past float32": ("softcap", 1e-40),
+    "softcap a bool": ("softcap", True),
+    "softcap a negative tensor": ("softcap", torch.tensor(-1.0)),
+    "softcap a 1-d tensor": ("softcap", torch.tensor([5.0])),
+}
+
+
+@pytest.mark.parametrize("name,value", UNHOLDABLE.values(), ids=UNHOLDABLE.keys())
+def test_numbers_the_kernels_cannot_hold_are_refused(name, value):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=f"{name} must be"):
+        flashtile.attention(q, k, v, **{name: value})
+
+
+@pytest.mark.parametrize("form", [np.float32(0.25), np.float64(0.25), torch.tensor(0.25),
+                                  torch.tensor(0.25, dtype=torch.float64), np.int64(2), torch.tensor(2)],
+                         ids=repr)
+def test_scale_and_softcap_take_numpy_numbers_and_0d_tensors(form):
+    q, k, v = qkv()
+    as_float = float(form)
+    torch.testing.assert_close(flashtile.attention(q, k, v, softmax_scale=form, softcap=20 * form),
+                               flashtile.attention(q, k, v, softmax_scale=as_float, softcap=20 * as_float),
+                               rtol=0, atol=0)
+
+
+def test_the_call_cache_keys_on_number_values_not_forms(cached_calls):
+    """True == 1 and an in-place change of a 0-d tensor must not reach a kept call."""
+    q, k, v = qkv()
+    flashtile.attention(q, k, v, softmax_scale=1, softcap=1)
+    for refused in (dict(softmax_scale=True, softcap=1), dict(softmax_scale=1, softcap=True)):
+        with pytest.raises(ValueError, match="must be"):
+            flashtile.attention(q, k, v, **refused)
+    scale = torch.tensor(0.5)
+    flashtile.attention(q, k, v, softmax_scale=scale)
+    scale.fill_(0.25)
+    torch.testing.assert_close(flashtile.attention(q, k, v, softmax_scale=scale),
+                               flashtile.attention(q, k, v, softmax_scale=0.25), rtol=0, atol=0)
+
+
 def test_kernel_ready_copies_only_what_the_kernels_cannot_read():
     """16-byte loads need aligned rows; tensor maps (Hopper's K/V loads) need a positive stride wherever a
     dimension has more than one index. Everything else reaches the kernels as it is, without a copy."""

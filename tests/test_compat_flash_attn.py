@@ -189,6 +189,14 @@ def test_fa2_bounds_past_the_sequence_are_unbounded():
         flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k), rtol=0, atol=0)
 
 
+def test_fa2_scale_and_softcap_take_numpy_numbers_and_0d_tensors():
+    q, k, v = dense()
+    scale, softcap = torch.tensor(0.3), np.float32(5.0)
+    torch.testing.assert_close(flashtile.flash_attn_func(q, k, v, softmax_scale=scale, softcap=softcap),
+                               flashtile.flash_attn_func(q, k, v, softmax_scale=scale.item(), softcap=float(softcap)),
+                               rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("call,error,match", [
     (lambda: flashtile.flash_attn_qkvpacked_func(rand(2, 5, 2, 4, 8)), ValueError, r"qkv must have shape"),
     (lambda: flashtile.flash_attn_qkvpacked_func(rand(5, 3, 4, 8)), ValueError, r"qkv must have shape"),
@@ -197,6 +205,8 @@ def test_fa2_bounds_past_the_sequence_are_unbounded():
     (lambda: flashtile.flash_attn_func(rand(2, 5, 4, 8), rand(2, 5, 3, 8), rand(2, 5, 3, 8)), ValueError, "heads"),
     (lambda: flashtile.flash_attn_func(*dense(), window_size=(-2, 0)), ValueError, "window_size"),
     (lambda: flashtile.flash_attn_func(*dense(), window_size=torch.tensor([2.0, 0.0])), ValueError, "window_size"),
+    (lambda: flashtile.flash_attn_func(*dense(), softmax_scale=1e39), ValueError, "softmax_scale"),
+    (lambda: flashtile.flash_attn_func(*dense(), softcap=1e39), ValueError, "softcap"),
     (lambda: flashtile.flash_attn_varlen_func(*varlen_batch()[:5], 7, "7"), ValueError, "max_seqlen_k"),
 ])
 def test_fa2_bad_input(call, error, match):

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import math
 import operator
+import struct
 from numbers import Real
 
 import numpy as np
 import torch
 
 from . import dispatch, ladder, ops, reference
-from .forward import FwdProblem, default_scale
+from .forward import LOG2E, FwdProblem, default_scale
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 UNBOUNDED = -1                        # a window bound that lets every key in
-NO_WINDOW = (UNBOUNDED, UNBOUNDED)    # the default window_size (the fast path tests it by identity)
+NO_WINDOW = (UNBOUNDED, UNBOUNDED)    # the default window_size (the fast paths test it by identity)
+NO_SOFTCAP = 0.0                      # the default softcap, off (likewise)
+FP32 = struct.Struct("f")             # the kernels' params hold softmax_scale and softcap as float32
+KEYED_NUMBERS = (float, int)          # the number types the call cache keys on as given (see _key_forms)
 
 
 def _check_tensor(name: str, t, rank: int, what: str) -> None:
@@ -81,20 +85,52 @@ def _window(window_size, reach: int) -> tuple[int, int]:
     return tuple(UNBOUNDED if bound >= reach else bound for bound in _window_pair(window_size))
 
 
+def _real(name: str, value, expected: str) -> float:
+    """A real option as a Python float: FlashAttention-2 takes Python and NumPy numbers and 0-d tensors."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool and not value.is_complex():
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:  # an int past float64's range
+        raise ValueError(f"{name} must be {expected}, got {value!r}") from None
+
+
+def _finite_in_fp32(x: float) -> bool:
+    """Whether x stays finite as the float32 the kernels' params hold."""
+    try:
+        return math.isfinite(FP32.unpack(FP32.pack(x))[0])
+    except OverflowError:  # beyond float32's range
+        return False
+
+
+def _check_scale(softmax_scale) -> float:
+    """softmax_scale as a float; the kernels also use softmax_scale * log2(e), which must stay finite too."""
+    expected = "None or a number that, like its product with log2(e), is finite in float32"
+    scale = _real("softmax_scale", softmax_scale, expected)
+    if not (_finite_in_fp32(scale) and _finite_in_fp32(scale * LOG2E)):
+        raise ValueError(f"softmax_scale must be {expected}, got {softmax_scale!r}")
+    return scale
+
+
+def _check_softcap(softcap) -> float:
+    """softcap as a float, 0 (off) or positive; the kernels also use 1 / softcap, which must stay finite too."""
+    expected = "0 (off) or a positive number that, like its reciprocal, is finite in float32"
+    cap = _real("softcap", softcap, expected)
+    if cap != 0 and not (cap > 0 and _finite_in_fp32(cap) and _finite_in_fp32(1 / cap)):
+        raise ValueError(f"softcap must be {expected}, got {softcap!r}")
+    return cap
+
+
 def _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch: int | None,
-                   reach: int) -> tuple[float, tuple[int, int]]:
-    """(scale, window) checked and normalised; `reach` is the longer of seqlen_q and seqlen_k."""
-    if softmax_scale is None and alibi_slopes is None and softcap == 0.0 and window_size is NO_WINDOW:
-        return default_scale(q.shape[-1]), NO_WINDOW  # the common call: nothing else to check
-    if softmax_scale is None:
-        scale = default_scale(q.shape[-1])
-    elif isinstance(softmax_scale, Real) and not isinstance(softmax_scale, bool) and math.isfinite(softmax_scale):
-        scale = float(softmax_scale)
-    else:
-        raise ValueError(f"softmax_scale must be a finite number or None, got {softmax_scale!r}")
+                   reach: int) -> tuple[float, tuple[int, int], float]:
+    """(scale, window, softcap) checked and normalised; `reach` is the longer of seqlen_q and seqlen_k."""
+    if softmax_scale is None and alibi_slopes is None and window_size is NO_WINDOW and softcap is NO_SOFTCAP:
+        return default_scale(q.shape[-1]), NO_WINDOW, NO_SOFTCAP  # the common call: nothing else to check
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else _check_scale(softmax_scale)
     window = _window(window_size, reach)
-    if not (isinstance(softcap, Real) and math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
+    cap = _check_softcap(softcap)
     if alibi_slopes is not None:
         heads_q = q.shape[-2]
         if not isinstance(alibi_slopes, torch.Tensor):
@@ -107,7 +143,7 @@ def _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch: 
         if tuple(alibi_slopes.shape) not in allowed or alibi_slopes.stride(-1) != 1:
             raise ValueError(f"alibi_slopes must have shape (heads_q,) or (batch, heads_q) = {allowed}, "
                              f"contiguous in the last dim; got {tuple(alibi_slopes.shape)}")
-    return scale, window
+    return scale, window, cap
 
 
 def _check_flags(deterministic, rung) -> None:
@@ -149,17 +185,20 @@ def _signature(q, k, v, options: tuple) -> tuple | None:
     return key
 
 
-def _key_window(window_size) -> tuple[int, int]:
-    """window_size in a form the call cache can key on: as given when it is a tuple of two Python ints, otherwise
-    checked and converted to one. A tensor can change in place under its key, and a float equals an int
-    (3.0 == 3) whose accepted key it would share though the checks refuse it."""
-    if (window_size.__class__ is tuple and len(window_size) == 2
+def _key_forms(softmax_scale, window_size, softcap) -> tuple:
+    """The options in forms the call cache can key on: as given when they are Python numbers and a tuple of two
+    Python ints, otherwise checked and converted to those. A tensor can change in place under its key, and a
+    float or bool equals an int (3.0 == 3, True == 1) whose accepted key it would share though the checks
+    refuse it."""
+    if ((softmax_scale is None or softmax_scale.__class__ in KEYED_NUMBERS) and softcap.__class__ in KEYED_NUMBERS
+            and window_size.__class__ is tuple and len(window_size) == 2
             and window_size[0].__class__ is int and window_size[1].__class__ is int):
-        return window_size
-    return _window_pair(window_size)
+        return softmax_scale, window_size, softcap
+    scale = None if softmax_scale is None else _check_scale(softmax_scale)
+    return scale, _window_pair(window_size), _check_softcap(softcap)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=0.0,
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDOW, softcap=NO_SOFTCAP,
               alibi_slopes=None, return_lse=False, deterministic=False, rung="auto"):
     """Exact attention, FlashAttention layout.
 
@@ -182,8 +221,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
     compiling = torch.compiler.is_compiling()
     key = None
     if alibi_slopes is None and not compiling:
-        if window_size is not NO_WINDOW:
-            window_size = _key_window(window_size)
+        if softmax_scale is not None or window_size is not NO_WINDOW or softcap is not NO_SOFTCAP:
+            softmax_scale, window_size, softcap = _key_forms(softmax_scale, window_size, softcap)
         key = _signature(q, k, v, (causal, softmax_scale, window_size, softcap, return_lse, deterministic, rung))
         call = _calls.get(key) if key is not None else None
         if call is not None and call.serves(q, k, v):
@@ -197,8 +236,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
         raise ValueError(f"q, k and v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
     if v.shape[1] != k.shape[1]:
         raise ValueError(f"k and v must have the same seqlen, got {k.shape[1]} and {v.shape[1]}")
-    scale, window = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, q.shape[0],
-                                   max(q.shape[1], k.shape[1]))
+    scale, window, softcap = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, q.shape[0],
+                                            max(q.shape[1], k.shape[1]))
     _check_flags(deterministic, rung)
     grad = _differentiable(q, k, v, rung)
     _check_device(q, rung)
@@ -207,9 +246,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
     if compiling:
         if rung != "auto":
             raise ValueError(f"rung={rung!r} is not traced by torch.compile; take rung='auto'")
-        o, lse = ops.forward(q, k, v, None, None, 0, 0, scale, *window, float(softcap), alibi_slopes, deterministic)
+        o, lse = ops.forward(q, k, v, None, None, 0, 0, scale, *window, softcap, alibi_slopes, deterministic)
         return (o, lse) if return_lse else o
-    problem = FwdProblem(q, k, v, scale, window, float(softcap), alibi_slopes, want_lse=return_lse or grad)
+    problem = FwdProblem(q, k, v, scale, window, softcap, alibi_slopes, want_lse=return_lse or grad)
     call = dispatch.planned_call(problem, rung, deterministic, grad)
     if call is None:
         call = dispatch.GeneralCall(problem, deterministic, rung)
@@ -250,7 +289,7 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
+                     softmax_scale=None, window_size=NO_WINDOW, softcap=NO_SOFTCAP, alibi_slopes=None,
                      return_lse=False, deterministic=False, rung="auto"):
     """Exact attention over a batch of sequences of different lengths, packed without padding.
 
@@ -272,8 +311,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k", q.device) != batch:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {cu_seqlens_q.numel()} "
                          f"and {cu_seqlens_k.numel()} offsets")
-    scale, window = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch,
-                                   max(max_seqlen_q, max_seqlen_k))
+    scale, window, softcap = _check_options(q, softmax_scale, window_size, softcap, alibi_slopes, batch,
+                                            max(max_seqlen_q, max_seqlen_k))
     _check_flags(deterministic, rung)
     grad = _differentiable(q, k, v, rung)
     _check_device(q, rung)
@@ -282,8 +321,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if rung != "auto":
             raise ValueError(f"rung={rung!r} is not traced by torch.compile; take rung='auto'")
         o, lse = ops.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, *window,
-                             float(softcap), alibi_slopes, deterministic)
+                             softcap, alibi_slopes, deterministic)
         return (o, lse) if return_lse else o
-    problem = FwdProblem(q, k, v, scale, window, float(softcap), alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+    problem = FwdProblem(q, k, v, scale, window, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, want_lse=return_lse or grad)
     return _run(dispatch.GeneralCall(problem, deterministic, rung), q, k, v, grad, return_lse)

@@ -148,7 +148,7 @@ def _work(problem: FwdProblem, direction: str) -> tuple[float, float]:
     return flops, 2 * (q_bytes + kv_bytes) + 2 * o_bytes + lse_bytes  # q, k, v, o, dO, lse in; dq, dk, dv out
 
 
-def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=api.NO_WINDOW, softcap=0.0,
+def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=api.NO_WINDOW, softcap=api.NO_SOFTCAP,
             alibi_slopes=None, deterministic=False, arch: str | None = None,
             measure_time: bool = True) -> Explanation:
     """Explain `flashtile.attention(q, k, v, ...)` (same arguments) and its backward.
@@ -157,8 +157,8 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=api.NO_WIN
     may be meta tensors (shapes and dtypes only). On a GPU the call is also timed (`measure_time`).
     """
     api._check_family(q, k, v)
-    scale, window = api._check_options(q, softmax_scale, window_size, softcap, alibi_slopes, q.shape[0],
-                                       max(q.shape[1], k.shape[1]))
+    scale, window, softcap = api._check_options(q, softmax_scale, window_size, softcap, alibi_slopes, q.shape[0],
+                                                max(q.shape[1], k.shape[1]))
     windowed = f", window {window}" if window != api.NO_WINDOW else ""
     window = (window[0], 0 if causal else window[1])
     on_gpu = q.is_cuda and arch is None
@@ -171,7 +171,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=api.NO_WIN
         raise ValueError(f"arch must be one of {sorted(REFERENCE_MACHINES)}, got {arch!r}")
     else:
         machine = REFERENCE_MACHINES[arch]
-    problem = FwdProblem(q, k, v, scale, window, float(softcap), alibi_slopes, want_lse=True)
+    problem = FwdProblem(q, k, v, scale, window, softcap, alibi_slopes, want_lse=True)
     kernel_dims = tuple(-(-n // dispatch.HEAD_DIM_MULTIPLE) * dispatch.HEAD_DIM_MULTIPLE
                         for n in (problem.head_dim, problem.head_dim_v))  # the head dims the kernels see
     call = (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} {q.dtype}"

@@ -20,7 +20,7 @@ from numbers import Real
 
 import torch
 
-from ..api import NO_WINDOW, attention, varlen_attention
+from ..api import NO_SOFTCAP, NO_WINDOW, attention, varlen_attention
 
 QKV_PACKED = 3   # q, k and v stacked along one dimension of a packed tensor
 KV_PACKED = 2    # k and v stacked along one dimension of a packed tensor
@@ -64,7 +64,7 @@ def _result(result, return_attn_probs: bool):
     return out, softmax_lse, None
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=0.0,
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=NO_SOFTCAP,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """Attention over (batch, seqlen, heads, head_dim) tensors, as ``flash_attn.flash_attn_func``.
 
@@ -92,7 +92,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW,
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=NO_SOFTCAP, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """As :func:`flash_attn_func` with q, k and v stacked: qkv is (batch, seqlen, 3, heads, head_dim)."""
     q, k, v = _unpack("qkv", qkv, QKV_PACKED, 5, "(batch, seqlen, 3, heads, head_dim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -100,7 +100,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW,
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=NO_SOFTCAP, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """As :func:`flash_attn_func` with k and v stacked: kv is (batch, seqlen_k, 2, heads_kv, head_dim)."""
     k, v = _unpack("kv", kv, KV_PACKED, 5, "(batch, seqlen_k, 2, heads_kv, head_dim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -108,7 +108,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=0.0,
+                           softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=NO_SOFTCAP,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
     """Attention over sequences packed without padding, as ``flash_attn.flash_attn_varlen_func``.
 
@@ -133,7 +133,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
-                                     window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     window_size=NO_WINDOW, softcap=NO_SOFTCAP, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """As :func:`flash_attn_varlen_func` with q, k and v stacked: qkv is (total, 3, heads, head_dim)."""
     q, k, v = _unpack("qkv", qkv, QKV_PACKED, 4, "(total, 3, heads, head_dim)")
@@ -142,7 +142,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                                    softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=0.0,
+                                    softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=NO_SOFTCAP,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """As :func:`flash_attn_varlen_func` with k and v stacked: kv is (total_k, 2, heads_kv, head_dim)."""
     k, v = _unpack("kv", kv, KV_PACKED, 4, "(total_k, 2, heads_kv, head_dim)")
