@@ -208,6 +208,8 @@ def test_fa2_scale_and_softcap_take_numpy_numbers_and_0d_tensors():
     (lambda: flashtile.flash_attn_func(*dense(), softmax_scale=1e39), ValueError, "softmax_scale"),
     (lambda: flashtile.flash_attn_func(*dense(), softcap=1e39), ValueError, "softcap"),
     (lambda: flashtile.flash_attn_varlen_func(*varlen_batch()[:5], 7, "7"), ValueError, "max_seqlen_k"),
+    (lambda: flashtile.flash_attn_varlen_func(*varlen_batch((1, 1), (1, 1))[:5], 1, torch.tensor(True)), ValueError,
+     "max_seqlen_k must be a positive int"),
 ])
 def test_fa2_bad_input(call, error, match):
     with pytest.raises(error, match=match):

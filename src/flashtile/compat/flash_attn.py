@@ -15,12 +15,11 @@ What differs from FlashAttention-2:
 
 from __future__ import annotations
 
-import operator
 from numbers import Real
 
 import torch
 
-from ..api import NO_SOFTCAP, NO_WINDOW, attention, varlen_attention
+from ..api import NO_SOFTCAP, NO_WINDOW, as_int, attention, varlen_attention
 
 QKV_PACKED = 3   # q, k and v stacked along one dimension of a packed tensor
 KV_PACKED = 2    # k and v stacked along one dimension of a packed tensor
@@ -39,12 +38,8 @@ def _as_int(value):
 
     Anything that is not integer-like is returned unchanged for the checks of flashtile's API to reject.
     """
-    if isinstance(value, bool):
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value
+    integer = as_int(value)
+    return value if integer is None else integer
 
 
 def _unpack(name: str, packed, count: int, rank: int, layout: str) -> tuple[torch.Tensor, ...]:
