@@ -70,7 +70,7 @@ def main(dims):
             for kernel, cand, tile, grid_tile, wgmma_tile in cases:
                 _use(tile, grid_tile, wgmma_tile)
                 _, spec = registry.choose(Variant("bwd", torch.bfloat16, d, d, frozenset(), "sm_90a"))
-                if spec.smem_bytes > specs.SMEM_LIMIT["sm_90a"]:
+                if spec.smem_bytes > specs.smem_limit("sm_90a"):
                     continue
                 res = jit.compile_spec(spec).resources[spec.entries[1]]
                 grads = torch.autograd.grad(flashtile.attention(*leaves, causal=causal), leaves, dout)

@@ -47,7 +47,7 @@ def main(dims):
                 expected = peers.sdpa_runner("sdpa-flash", q, k, v, causal)().transpose(1, 2).float()
                 for cand in CANDIDATES[d]:
                     spec = spec_of(d, *cand)
-                    if spec.smem_bytes > specs.SMEM_LIMIT["sm_90a"]:
+                    if spec.smem_bytes > specs.smem_limit("sm_90a"):
                         continue
                     res = jit.compile_spec(spec).resources["attn_fwd"]
                     module = launch.load(spec, 0)

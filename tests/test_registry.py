@@ -4,7 +4,7 @@ do not; the ladder as a view over it; the spec list `flashtile compile` builds."
 import pytest
 import torch
 
-from flashtile import backward, ladder, registry, specs
+from flashtile import backward, jit, ladder, registry, specs
 from flashtile.family import Variant
 from flashtile.forward import FwdProblem
 
@@ -122,3 +122,18 @@ def test_geometry_constants_reach_the_kernels_as_defines():
         defines = dict(spec.defines)
         if "attn_bwd_preprocess" in spec.entries:
             assert (defines["FT_ROW_WARPS"], defines["FT_PREPROCESS_ROWS"]) == (specs.ROW_WARPS, specs.PREPROCESS_ROWS)
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)])
+def test_arch_of_names_an_nvrtc_target_that_round_trips(capability):
+    arch = specs.arch_of(capability)
+    _, supported = jit.cuda_module("cuda.bindings.nvrtc").nvrtcGetSupportedArchs()
+    assert 10 * capability[0] + capability[1] in supported
+    assert specs.capability_of(arch) == capability
+
+
+@pytest.mark.parametrize("arch, capability", [("sm_90a", (9, 0)), ("sm_100a", (10, 0)), ("sm_120f", (12, 0))])
+def test_suffixed_targets_find_their_capability_and_shared_memory(arch, capability):
+    """The CLI accepts architecture- and family-specific targets: they run on, and size tiles for, their GPU."""
+    assert specs.capability_of(arch) == capability
+    assert specs.smem_limit(arch) == specs.smem_limit(specs.arch_of(capability))

@@ -51,8 +51,9 @@ def arch_of(capability: tuple[int, int]) -> str:
 
 
 def capability_of(arch: str) -> tuple[int, int]:
-    """The compute capability an NVRTC target runs on: "sm_90a" -> (9, 0), "sm_120" -> (12, 0)."""
-    digits = arch.removeprefix("sm_").rstrip("a")
+    """The compute capability an NVRTC target runs on: "sm_90a" -> (9, 0), "sm_120" -> (12, 0), "sm_120f" -> (12, 0)
+    (the suffixes: "a" architecture-specific, "f" family-specific features)."""
+    digits = arch.removeprefix("sm_").rstrip("af")
     return int(digits[:-1]), int(digits[-1])
 
 
@@ -144,8 +145,16 @@ class Tile:
     tma: bool = False   # sm_90: the tensor memory accelerator feeds the K/V ring (common/tma.cuh, flashtile/tma.py)
 
 
-# Shared memory a block may use: sm_80 163 KB, sm_86/sm_89 99 KB, sm_90 227 KB (CUDA guide, table 24).
-SMEM_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90a": 232448}
+# Shared memory a block may use, by compute capability (so that sm_90a, sm_100a and sm_120f find theirs): sm_80
+# 163 KB, sm_86/sm_89 99 KB, sm_90 227 KB (CUDA guide, table 24).
+SMEM_LIMIT = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448}
+# What the tile tables assume of a GPU not listed: 99 KB, the least of any GPU with mma.sync listed above.
+SMEM_LIMIT_UNLISTED = 101376
+
+
+def smem_limit(arch: str) -> int:
+    return SMEM_LIMIT.get(capability_of(arch), SMEM_LIMIT_UNLISTED)
+
 
 # The forward tile table: padded head dim -> Tile, for GPUs with >= 160 KB of shared memory per block
 # (A100, H100/H200) and for those with 99 KB (RTX 30xx/40xx). Each row says why.
@@ -186,7 +195,7 @@ def fwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> Tile:
         return FWD_TILE_SCORE_MODS
     if arch == "sm_90a" and head_dim in FWD_TILES_SM90:
         return FWD_TILES_SM90[head_dim]
-    if SMEM_LIMIT.get(arch, 101376) < 160 * 1024:
+    if smem_limit(arch) < 160 * 1024:
         return FWD_TILES_SMALL_SMEM[head_dim]
     return FWD_TILES_LARGE_SMEM[head_dim]
 
@@ -275,9 +284,9 @@ BWD_BLOCK_M_SCORE_MODS = 32
 
 
 def bwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdTile:
-    if SMEM_LIMIT.get(arch, 101376) < 160 * 1024:
+    if smem_limit(arch) < 160 * 1024:
         tile = BWD_TILES_SMALL_SMEM[head_dim]
-    elif head_dim == 256 and SMEM_LIMIT.get(arch, 0) < 200 * 1024 + 2048:
+    elif head_dim == 256 and smem_limit(arch) < 200 * 1024 + 2048:
         tile = BWD_TILE_SM80_D256
     else:
         tile = BWD_TILES_LARGE_SMEM[head_dim]
@@ -315,7 +324,7 @@ BWD_GRID_TILES = {
 def bwd_grid_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdGridTile | None:
     """The grid kernel's tile, or None where the 16-keys-per-warp kernel serves."""
     tile = BWD_GRID_TILES.get(head_dim)
-    if tile is None or score_mods or SMEM_LIMIT.get(arch, 101376) < bwd_grid_smem(head_dim, head_dim, tile):
+    if tile is None or score_mods or smem_limit(arch) < bwd_grid_smem(head_dim, head_dim, tile):
         return None
     return tile
 
