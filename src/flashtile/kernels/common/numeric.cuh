@@ -44,9 +44,25 @@ template <> __device__ __forceinline__ f16_t from_float<f16_t>(float x) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
     return h;
 }
+// fp32 -> bf16 rounded to nearest even in integer arithmetic, for Turing, which has no bf16 instruction (cvt to
+// .bf16 needs sm_80): adding 0x7fff plus the lowest kept bit carries into the kept half exactly when the dropped
+// half is over one half, or is one half and the kept half is odd; infinities stay, finite values past bf16's
+// range round to infinity. Every NaN becomes the canonical NaN, as cvt.rn.bf16.f32 makes it.
+// The constants are local: a namespace-scope constant is a symbol of every cubin, and sm_80+ builds stay as they were.
+__device__ __forceinline__ u16 bf16_bits_rn(float x) {
+    constexpr u32 kF32AbsMask = 0x7fffffffu, kF32Infinity = 0x7f800000u;
+    constexpr u16 kBf16CanonicalNan = 0x7fff;
+    const u32 bits = __float_as_uint(x);
+    if ((bits & kF32AbsMask) > kF32Infinity) return kBf16CanonicalNan;
+    return (u16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
     bf16_t h;
+#if __CUDA_ARCH__ >= 800
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+#else
+    h.bits = bf16_bits_rn(x);
+#endif
     return h;
 }
 
