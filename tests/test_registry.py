@@ -44,10 +44,20 @@ def test_backward_family_choice(arch, d, dv, features, family, source):
     ("sm_90a", 64, torch.float32, (), "tiled"),          # fp32: the tensor-core rungs take 16-bit types only
     ("sm_90a", 256, torch.float32, (), "fused"),         # rung 2 stops at head dim 128
     ("sm_75", 64, torch.float16, (), "tiled"),           # Turing: mma.sync m16n8k16 needs sm_80
+    ("sm_75", 128, BF16, ("varlen",), "tiled"),          # bf16 too: integer rounding where cvt to bf16 needs sm_80
 ])
 def test_forward_family_choice(arch, d, dtype, features, rung):
     chosen, _ = registry.choose(_variant("fwd", d, d, arch, features, dtype))
     assert chosen.name == rung and chosen in ladder.RUNGS
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_turing_tiles_fit_its_64_kb_of_shared_memory(d):
+    """Rung 2's tiles for Ampere and newer need 68 KB (d64) and 75 KB (d128): Turing gets narrower key tiles."""
+    _, spec = registry.choose(_variant("fwd", d, d, "sm_75"))
+    assert spec.source == "ladder/r2_tiled.cu" and spec.smem_bytes <= specs.smem_limit("sm_75") == 64 * 1024
+    assert spec.smem_bytes == specs.tiled_smem(d, dict(spec.defines)["FT_BLOCK_N"])
+    assert registry.choose(_variant("fwd", d, d, "sm_80"))[1] != spec
 
 
 def test_no_family_names_every_reason():

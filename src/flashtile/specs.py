@@ -19,7 +19,7 @@ DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _DTYPE_DEFINES = {"f32": "FT_DTYPE_F32", "f16": "FT_DTYPE_F16", "bf16": "FT_DTYPE_BF16"}
 
 # Architectures every spec must compile for on a machine without a GPU (tests/test_compile_all.py).
-TEST_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
+TEST_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90a")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,17 @@ def capability_of(arch: str) -> tuple[int, int]:
     return int(digits[:-1]), int(digits[-1])
 
 
+# Shared memory a block may use, by compute capability (so that sm_90a, sm_100a and sm_120f find theirs): sm_75
+# 64 KB, sm_80 163 KB, sm_86/sm_89 99 KB, sm_90 227 KB (CUDA guide, table 24).
+SMEM_LIMIT = {(7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448}
+# What the tile tables assume of a GPU not listed: 99 KB, the least of the listed GPUs with mma.sync (sm_80+).
+SMEM_LIMIT_UNLISTED = 101376
+
+
+def smem_limit(arch: str) -> int:
+    return SMEM_LIMIT.get(capability_of(arch), SMEM_LIMIT_UNLISTED)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Ladder rungs 0-2 (CUDA cores). Head dims are padded up to the nearest compiled variant.
 # ---------------------------------------------------------------------------------------------------
@@ -74,10 +85,17 @@ FUSED_WARPS = 4
 # Rung 2: block M = 64 rows is fixed by the 16 x 16 thread grid with 4 rows per thread.
 TILED_BLOCK_M = 64
 TILED_THREADS = 256
+TILED_PAD = 4      # floats of padding per shared-memory row (kernels/ladder/r2_tiled.cu kPad)
+FP32_BYTES = 4
 #   head_dim -> keys per tile (BLOCK_N)
 TILED_BLOCK_N = {
     64: 64,    # Q, K, V, P tiles in fp32 = 70 KB of shared memory: three blocks per SM on Ampere and Hopper
     128: 32,   # at 64 keys the tiles need 119 KB, more than the 99 KB an sm_86/sm_89 block may use; 32 keys: 77 KB
+}
+# Turing (sm_75) gives a block 64 KB, less than either row above needs: the largest key tiles that fit.
+TILED_BLOCK_N_64KB = {
+    64: 32,    # 43 KB
+    128: 16,   # 55 KB
 }
 TILED_MAX_HEAD_DIM = max(TILED_BLOCK_N)
 
@@ -100,13 +118,23 @@ def fused_spec(dtype: str, head_dim: int, arch: str) -> KernelSpec:
                       (("FT_HEAD_DIM", padded), ("FT_WARPS", FUSED_WARPS)))
 
 
+def tiled_smem(head_dim: int, block_n: int) -> int:
+    """Q, K and V tiles of padded fp32 rows and the probabilities' tile (r2_tiled.cu's SharedStorage)."""
+    rows = (TILED_BLOCK_M + 2 * block_n) * (head_dim + TILED_PAD) + TILED_BLOCK_M * (block_n + TILED_PAD)
+    return rows * FP32_BYTES
+
+
+def tiled_block_n(head_dim: int, arch: str) -> int:
+    block_n = TILED_BLOCK_N[head_dim]
+    return block_n if tiled_smem(head_dim, block_n) <= smem_limit(arch) else TILED_BLOCK_N_64KB[head_dim]
+
+
 def tiled_spec(dtype: str, head_dim: int, arch: str) -> KernelSpec:
     padded = pick_padded(head_dim, TILED_BLOCK_N)
-    block_n, block_m, pad, fp32 = TILED_BLOCK_N[padded], TILED_BLOCK_M, 4, 4
-    smem = ((block_m + 2 * block_n) * (padded + pad) + block_m * (block_n + pad)) * fp32
+    block_n = tiled_block_n(padded, arch)
     return KernelSpec("ladder/r2_tiled.cu", ("tiled_fwd",), dtype, arch,
-                      (("FT_HEAD_DIM", padded), ("FT_BLOCK_N", block_n), ("FT_BLOCK_M", block_m),
-                       ("FT_THREADS", TILED_THREADS)), smem)
+                      (("FT_HEAD_DIM", padded), ("FT_BLOCK_N", block_n), ("FT_BLOCK_M", TILED_BLOCK_M),
+                       ("FT_THREADS", TILED_THREADS)), tiled_smem(padded, block_n))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -143,17 +171,6 @@ class Tile:
     why: str
     wide: bool = False  # 128-byte swizzle blocks (common/tile.cuh): one wavefront per cp.async phase, +6 registers
     tma: bool = False   # sm_90: the tensor memory accelerator feeds the K/V ring (common/tma.cuh, flashtile/tma.py)
-
-
-# Shared memory a block may use, by compute capability (so that sm_90a, sm_100a and sm_120f find theirs): sm_80
-# 163 KB, sm_86/sm_89 99 KB, sm_90 227 KB (CUDA guide, table 24).
-SMEM_LIMIT = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448}
-# What the tile tables assume of a GPU not listed: 99 KB, the least of any GPU with mma.sync listed above.
-SMEM_LIMIT_UNLISTED = 101376
-
-
-def smem_limit(arch: str) -> int:
-    return SMEM_LIMIT.get(capability_of(arch), SMEM_LIMIT_UNLISTED)
 
 
 # The forward tile table: padded head dim -> Tile, for GPUs with >= 160 KB of shared memory per block

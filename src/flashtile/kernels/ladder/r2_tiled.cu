@@ -17,7 +17,7 @@
 
 constexpr int kHeadDim = FT_HEAD_DIM;    // padded head_dim this build serves (64 or 128)
 constexpr int kBlockM = FT_BLOCK_M;      // query rows per block (specs.py TILED_BLOCK_M)
-constexpr int kBlockN = FT_BLOCK_N;      // keys per tile (specs.py: 64, or 32 where 64 overflows smem)
+constexpr int kBlockN = FT_BLOCK_N;      // keys per tile (specs.py TILED_BLOCK_N: 64 to 16, what fits smem)
 constexpr int kThreads = FT_THREADS;
 constexpr int kMinBlocksPerSM = 2;       // caps registers at 128 so two blocks (16 warps) share an SM
 constexpr int kThreadGrid = 16;          // kThreads = kThreadGrid x kThreadGrid
