@@ -16,8 +16,10 @@ def test_spec_compiles_without_spills(spec, cache_dir):
         assert res.stack_frame == 0, f"{spec.name}:{entry} uses local memory: {res}"
 
 
-# The tile tables' three sizes of GPU: 227 KB (Hopper), 99 KB (consumer Ampere and newer), 64 KB (Turing).
-SMEM_CASES = [spec for arch in ("sm_90a", "sm_86", "sm_75") for spec in registry.all_specs(arch) if spec.smem_bytes]
+# The tile tables' three sizes of GPU, 227 KB (Hopper), 99 KB (consumer Ampere and newer) and 64 KB (Turing), and
+# Blackwell's own rows (sm_100 has them all).
+SMEM_CASES = [spec for arch in ("sm_90a", "sm_86", "sm_75", "sm_100") for spec in registry.all_specs(arch)
+              if spec.smem_bytes]
 
 
 @pytest.fixture(scope="module")

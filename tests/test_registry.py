@@ -31,6 +31,9 @@ def _variant(direction, d, dv, arch, features=(), dtype=BF16, shape="prefill"):
     ("sm_80", 192, 192, (), "bwd-grid", "mma/bwd_grid.cu"),       # its 161 KB tile fits the A100's 163 KB
     ("sm_86", 192, 192, (), "bwd-mma", "mma/bwd.cu"),             # but not the 99 KB of consumer GPUs
     ("sm_89", 64, 64, (), "bwd-mma", "mma/bwd.cu"),
+    ("sm_100", 128, 128, (), "bwd-mma", "mma/bwd.cu"),           # wgmma is Hopper's alone
+    ("sm_100", 192, 192, (), "bwd-grid", "mma/bwd_grid.cu"),     # the B200 has Hopper's 227 KB
+    ("sm_120", 192, 192, (), "bwd-mma", "mma/bwd.cu"),           # an RTX 50xx has 99 KB
 ])
 def test_backward_family_choice(arch, d, dv, features, family, source):
     """wgmma's kernel serves Hopper at d64/d128/d256 without score modifications; rung 4's serve the rest."""
@@ -58,6 +61,21 @@ def test_turing_tiles_fit_its_64_kb_of_shared_memory(d):
     assert spec.source == "ladder/r2_tiled.cu" and spec.smem_bytes <= specs.smem_limit("sm_75") == 64 * 1024
     assert spec.smem_bytes == specs.tiled_smem(d, dict(spec.defines)["FT_BLOCK_N"])
     assert registry.choose(_variant("fwd", d, d, "sm_80"))[1] != spec
+
+
+@pytest.mark.parametrize("arch", ["sm_100", "sm_120"])
+@pytest.mark.parametrize("d, dv", [(64, 64), (96, 96), (120, 64), (128, 128), (192, 128), (192, 192), (256, 256)])
+@pytest.mark.parametrize("features", [(), ("window", "varlen"), ("softcap",), ("alibi",)])
+def test_blackwell_runs_the_mma_sync_kernels(arch, d, dv, features):
+    """B200 (sm_100) and RTX 50xx (sm_120): rung 4's mma.sync forward with K/V by cp.async and the mma.sync
+    backwards, in tiles that fit; Hopper's wgmma backward and TMA-fed ring are never chosen."""
+    forward, fwd_spec = registry.choose(_variant("fwd", d, dv, arch, features))
+    assert forward.name == "pipelined" and fwd_spec.source == specs.PIPELINED_SOURCE
+    assert specs.kv_box_rows(fwd_spec) == 0
+    backward_family, bwd_spec = registry.choose(_variant("bwd", d, dv, arch, features))
+    assert backward_family.name in ("bwd-grid", "bwd-mma") and not bwd_spec.source.startswith("wgmma/")
+    assert fwd_spec.arch == bwd_spec.arch == arch
+    assert max(fwd_spec.smem_bytes, bwd_spec.smem_bytes) <= specs.smem_limit(arch)
 
 
 def test_no_family_names_every_reason():
@@ -121,7 +139,8 @@ def test_all_specs_cover_what_each_family_compiles():
     sources = {s.source for s in found}
     assert {"ladder/r0_naive.cu", "ladder/r1_fused.cu", "ladder/r2_tiled.cu", "ladder/r3_mma.cu", "mma/fwd.cu",
             "mma/bwd.cu", "mma/bwd_grid.cu", "wgmma/bwd.cu"} <= sources
-    assert not any(s.source == "wgmma/bwd.cu" for s in registry.all_specs("sm_80"))
+    for arch in ("sm_80", "sm_100", "sm_120"):
+        assert not any(s.source.startswith("wgmma/") or specs.kv_box_rows(s) for s in registry.all_specs(arch))
 
 
 def test_geometry_constants_reach_the_kernels_as_defines():

@@ -19,7 +19,7 @@ DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _DTYPE_DEFINES = {"f32": "FT_DTYPE_F32", "f16": "FT_DTYPE_F16", "bf16": "FT_DTYPE_BF16"}
 
 # Architectures every spec must compile for on a machine without a GPU (tests/test_compile_all.py).
-TEST_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90a")
+TEST_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120")
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,27 @@ def capability_of(arch: str) -> tuple[int, int]:
 
 
 # Shared memory a block may use, by compute capability (so that sm_90a, sm_100a and sm_120f find theirs): sm_75
-# 64 KB, sm_80 163 KB, sm_86/sm_89 99 KB, sm_90 227 KB (CUDA guide, table 24).
-SMEM_LIMIT = {(7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448}
+# 64 KB, sm_80 163 KB, sm_86/sm_89 99 KB, sm_90 227 KB, sm_100 (B200) 227 KB, sm_120 (RTX 50xx) 99 KB. Source: the
+# CUDA C++ Programming Guide's "Technical Specifications per Compute Capability" table (table 24 of the 12.x guide),
+# "maximum amount of shared memory per thread block"; the same numbers as CCCL's cuda/__device/arch_traits.h.
+SMEM_LIMIT = {(7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
+              (10, 0): 232448, (12, 0): 101376}
 # What the tile tables assume of a GPU not listed: 99 KB, the least of the listed GPUs with mma.sync (sm_80+).
 SMEM_LIMIT_UNLISTED = 101376
 
 
 def smem_limit(arch: str) -> int:
     return SMEM_LIMIT.get(capability_of(arch), SMEM_LIMIT_UNLISTED)
+
+
+# Blackwell: compute capability 10.0 (B200) and newer, 12.0 (RTX 50xx) included. mma.sync and cp.async run there as
+# on Ampere (rung 4's path; wgmma and the TMA-fed ring are Hopper's), but ptxas allocates registers its own way:
+# a few rows of the tables below spill there, and the *_BLACKWELL rows are what fits instead.
+BLACKWELL = (10, 0)
+
+
+def blackwell(arch: str) -> bool:
+    return capability_of(arch) >= BLACKWELL
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -148,13 +161,18 @@ ELEM_BYTES = 2
 MMA_HEAD_DIMS = (64, 128)
 MMA_BLOCK_M = 64
 MMA_WARPS = 4
+MMA_BLOCK_N = 64
+# ptxas for sm_100 (d128) and sm_120 (d64, d128) spills 64 keys' scores; 32 keys halve them and fit.
+MMA_BLOCK_N_BLACKWELL = 32
 
 
 def mma_spec(dtype: str, head_dim: int, arch: str) -> KernelSpec:
     padded = pick_padded(head_dim, MMA_HEAD_DIMS)
-    smem = 3 * MMA_BLOCK_M * (padded + 8) * ELEM_BYTES
+    block_n = MMA_BLOCK_N_BLACKWELL if blackwell(arch) else MMA_BLOCK_N
+    smem = (MMA_BLOCK_M + 2 * block_n) * (padded + 8) * ELEM_BYTES
     return KernelSpec("ladder/r3_mma.cu", ("mma_fwd",), dtype, arch,
-                      (("FT_HEAD_DIM", padded), ("FT_BLOCK_M", MMA_BLOCK_M), ("FT_WARPS", MMA_WARPS)), smem)
+                      (("FT_HEAD_DIM", padded), ("FT_BLOCK_M", MMA_BLOCK_M), ("FT_BLOCK_N", block_n),
+                       ("FT_WARPS", MMA_WARPS)), smem)
 
 
 # Rung 4: compiled head dims (q/k and v are padded separately to one of these).
@@ -174,7 +192,7 @@ class Tile:
 
 
 # The forward tile table: padded head dim -> Tile, for GPUs with >= 160 KB of shared memory per block
-# (A100, H100/H200) and for those with 99 KB (RTX 30xx/40xx). Each row says why.
+# (A100, H100/H200, B200) and for those with 99 KB (RTX 30xx/40xx/50xx). Each row says why.
 FWD_TILES_LARGE_SMEM = {
     64: Tile(128, 64, 4, 2, 1, "2 slabs/warp: each K/V fragment feeds two mmas; a third stage gains nothing; "
                                "128 keys is faster but spills"),
@@ -196,6 +214,11 @@ FWD_TILES_SM90 = {
                                "at long ones; 128-byte swizzle blocks, faster at every length than 64-byte ones, whose "
                                "cp.async phases take two wavefronts", wide=True),
 }
+# B200 rows (sm_100: Hopper's shared memory, no TMA-fed ring) where ptxas for sm_100 spills FWD_TILES_LARGE_SMEM's.
+FWD_TILES_LARGE_SMEM_BLACKWELL = {
+    128: Tile(128, 64, 8, 2, 1, "1 slab/warp, FWD_TILE_SCORE_MODS's shape: ptxas for sm_100 spills 128 x 32 x 4 "
+                                "warps and fits this; 96 KB; not timed on a B200"),
+}
 FWD_TILES_SMALL_SMEM = {
     64: Tile(128, 64, 4, 2, 1, "48 KB"),
     96: Tile(128, 32, 4, 2, 1, "48 KB"),
@@ -214,6 +237,8 @@ def fwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> Tile:
         return FWD_TILES_SM90[head_dim]
     if smem_limit(arch) < 160 * 1024:
         return FWD_TILES_SMALL_SMEM[head_dim]
+    if blackwell(arch) and head_dim in FWD_TILES_LARGE_SMEM_BLACKWELL:
+        return FWD_TILES_LARGE_SMEM_BLACKWELL[head_dim]
     return FWD_TILES_LARGE_SMEM[head_dim]
 
 
@@ -286,7 +311,12 @@ BWD_TILES_LARGE_SMEM = {
                                     "(128 regs/thread): faster than block_m 32, and half the deterministic hand-offs; "
                                     "145 KB"),
     192: BwdTile(64, 64, 2, True, "two passes; 153 KB"),
-    256: BwdTile(64, 64, 2, True, "two passes; 200 KB, Hopper's 227 KB only"),
+    256: BwdTile(64, 64, 2, True, "two passes; 200 KB, Hopper's and B200's 227 KB only"),
+}
+# B200 rows (sm_100) where ptxas for sm_100 spills BWD_TILES_LARGE_SMEM's.
+BWD_TILES_LARGE_SMEM_BLACKWELL = {
+    64: BwdTile(64, 128, 2, False, "as d96 and d128: ptxas for sm_100 spills 128-query steps in bf16; not timed on a "
+                                   "B200"),
 }
 BWD_TILE_SM80_D256 = BwdTile(64, 64, 1, True, "one query buffer: 137 KB fits sm_80's 163 KB")
 BWD_TILES_SMALL_SMEM = {
@@ -298,6 +328,9 @@ BWD_TILES_SMALL_SMEM = {
 }
 # Softcap keeps 1 - tanh^2 per score and ALiBi its distances: halve block_m to keep the registers.
 BWD_BLOCK_M_SCORE_MODS = 32
+# On Blackwell that is not enough: ptxas for sm_100 and sm_120 spills at d128, the head dim CI compiles score
+# modifications at. One query buffer instead of a 2-stage ring frees the rest, at every head dim. Not timed there.
+BWD_STAGES_SCORE_MODS_BLACKWELL = 1
 
 
 def bwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdTile:
@@ -305,9 +338,14 @@ def bwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> BwdTile:
         tile = BWD_TILES_SMALL_SMEM[head_dim]
     elif head_dim == 256 and smem_limit(arch) < 200 * 1024 + 2048:
         tile = BWD_TILE_SM80_D256
+    elif blackwell(arch) and head_dim in BWD_TILES_LARGE_SMEM_BLACKWELL:
+        tile = BWD_TILES_LARGE_SMEM_BLACKWELL[head_dim]
     else:
         tile = BWD_TILES_LARGE_SMEM[head_dim]
     if score_mods:
+        if blackwell(arch):
+            tile = BwdTile(tile.block_m, tile.block_n, BWD_STAGES_SCORE_MODS_BLACKWELL, tile.split,
+                           tile.why + "; one query buffer on Blackwell")
         tile = BwdTile(BWD_BLOCK_M_SCORE_MODS, tile.block_n, tile.stages, tile.split, tile.why + "; score mods")
     return tile
 

@@ -20,9 +20,10 @@
 
 constexpr int kHeadDim = FT_HEAD_DIM;  // padded head dim of this build: 64 or 128
 constexpr int kBlockM = FT_BLOCK_M;    // query rows per block = 4 warps x 16 rows (specs.py MMA_BLOCK_M)
-constexpr int kBlockN = 64;            // keys per tile
+constexpr int kBlockN = FT_BLOCK_N;    // keys per tile (specs.py MMA_BLOCK_N: 64, or 32 where 64 spills)
 constexpr int kWarps = FT_WARPS;
 static_assert(kBlockM == kWarps * kMmaM, "each warp owns 16 query rows");
+static_assert(kBlockN % kMmaK == 0, "P V takes the keys in k16 steps");
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kRow = kHeadDim + kElemsPerVector;  // one 16-byte vector of padding: 8 consecutive rows start
                                                   // in 8 different bank groups, so ldmatrix is conflict-free
