@@ -38,6 +38,17 @@ def kernel_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def bounded_offsets(problem: FwdProblem) -> FwdProblem:
+    """A varlen problem whose cu_seqlens cannot send a kernel outside the packed tensors: offsets clamped to
+    [0, total] and made non-decreasing, on the device (two small torch ops, no host synchronisation). api.py
+    names bad offsets in eager mode; under torch.compile and graph capture they are never read on the host."""
+    if not problem.varlen:
+        return problem
+    bounded = [torch.cummax(cu.clamp(0, total), 0).values.to(torch.int32)
+               for cu, total in ((problem.cu_seqlens_q, problem.q.shape[0]), (problem.cu_seqlens_k, problem.k.shape[0]))]
+    return dataclasses.replace(problem, cu_seqlens_q=bounded[0], cu_seqlens_k=bounded[1])
+
+
 def variant_of(problem: FwdProblem, direction: str) -> Variant:
     return Variant.of(problem, direction, specs.arch_of(device_capability(problem.q.device.index)))
 
@@ -51,7 +62,8 @@ def load(problem: FwdProblem, direction: str, rung="auto"):
 def _cuda_forward(problem: FwdProblem, rung) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pad/align the operands, run the chosen family's plan, cut the padding off the output."""
     head_dim_v = problem.v.shape[-1]
-    problem.q, problem.k, problem.v = kernel_ready(problem.q), kernel_ready(problem.k), kernel_ready(problem.v)
+    problem = bounded_offsets(dataclasses.replace(problem, q=kernel_ready(problem.q), k=kernel_ready(problem.k),
+                                                  v=kernel_ready(problem.v)))
     family, module = load(problem, "fwd", rung)
     if problem.batch <= MAX_GRID_BATCH:
         o, lse = family.plan(problem, module).run(problem.q, problem.k, problem.v, problem.cu_seqlens_q,
@@ -85,7 +97,7 @@ def backward(problem: FwdProblem, out: torch.Tensor, lse: torch.Tensor, dout: to
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     if q.is_cuda and _backward_kernels_serve(problem):
-        ready = dataclasses.replace(problem, q=kernel_ready(q), k=kernel_ready(k), v=kernel_ready(v))
+        ready = bounded_offsets(dataclasses.replace(problem, q=kernel_ready(q), k=kernel_ready(k), v=kernel_ready(v)))
         _, module = load(ready, "bwd")
         dq, dk, dv = bwd.run(ready, module, kernel_ready(out), lse.contiguous(), kernel_ready(dout), deterministic,
                              dlse)

@@ -126,7 +126,6 @@ class FwdProblem:
             seqlen_q, seqlen_k, q.shape[-1], v.shape[-1],
             self.scale, self.scale * LOG2E, self.softcap,
             self.window[0], self.window[1],
-            q.shape[0] if self.varlen else 0, k.shape[0] if self.varlen else 0,
         )
 
 

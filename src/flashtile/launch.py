@@ -37,7 +37,6 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("head_dim", "i"), ("head_dim_v", "i"),
     ("softmax_scale", "f"), ("scale_log2", "f"), ("softcap", "f"),
     ("window_left", "i"), ("window_right", "i"),
-    ("total_q", "i"), ("total_k", "i"),
 )
 # The backward kernels' `struct BwdParams`: an AttnParams, then these fields.
 BWD_EXTRA_FIELDS: tuple[tuple[str, str], ...] = (

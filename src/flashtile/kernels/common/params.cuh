@@ -36,9 +36,6 @@ struct AttnParams {
     float scale_log2;         // softmax_scale * log2(e), for kernels that run the softmax in base 2
     float softcap;            // 0 = off
     int window_left, window_right;  // -1 = unbounded; causal is window_right = 0
-
-    // Varlen: the packed rows of q and of k/v. Sequences are clamped to them, whatever cu_seqlens holds.
-    int total_q, total_k;
 };
 
 // Where one (batch, head) problem lives: its sequence lengths and the element offsets of its rows.
@@ -53,13 +50,10 @@ __device__ __forceinline__ Problem locate_problem(const AttnParams& p, int b, in
     const int h_kv = h / p.group;
     i64 q_start = 0, k_start = 0;
     if (p.cu_seqlens_q != nullptr) {
-        // Offsets outside [0, total] or falling, or a sequence longer than the maximum the grid was sized for,
-        // are clamped: a kernel never reads or writes outside its tensors (api.py names such offsets in eager
-        // mode; under torch.compile or graph capture they are not read on the host).
-        q_start = min(max(p.cu_seqlens_q[b], 0), p.total_q);
-        k_start = min(max(p.cu_seqlens_k[b], 0), p.total_k);
-        pr.seqlen_q = min(max(p.cu_seqlens_q[b + 1] - (int)q_start, 0), min(p.seqlen_q, p.total_q - (int)q_start));
-        pr.seqlen_k = min(max(p.cu_seqlens_k[b + 1] - (int)k_start, 0), min(p.seqlen_k, p.total_k - (int)k_start));
+        q_start = p.cu_seqlens_q[b];
+        k_start = p.cu_seqlens_k[b];
+        pr.seqlen_q = p.cu_seqlens_q[b + 1] - (int)q_start;
+        pr.seqlen_k = p.cu_seqlens_k[b + 1] - (int)k_start;
     } else {
         pr.seqlen_q = p.seqlen_q;
         pr.seqlen_k = p.seqlen_k;
