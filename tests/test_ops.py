@@ -8,7 +8,8 @@ import torch
 import flashtile
 from flashtile import ops
 from flashtile.reference import attention_ref, varlen_apply
-from flashtile.testing import compare_grads
+from flashtile.testing import compare_grads, reference_grads
+from nonfinite_cases import POISONS, SETUPS, applies, check, expected_nan, make, poison_id
 
 
 def _dense(batch=2, sq=37, sk=45, hq=4, hkv=2, d=16, dv=24, dtype=torch.float32, seed=0):
@@ -113,3 +114,25 @@ def test_bad_training_options_are_named(bad, match):
     q, k, v = _dense()
     with pytest.raises((TypeError, ValueError), match=match):
         flashtile.attention(q, k, v, **bad)
+
+
+@pytest.mark.parametrize("poison", POISONS, ids=poison_id)
+@pytest.mark.parametrize("setup", SETUPS)
+def test_nonfinite_inputs_through_flashtile_attention(setup, poison):
+    """The public call, forward and backward, on whichever CPU kernel serves these options."""
+    if not applies(setup, poison):
+        pytest.skip("no ALiBi slopes in this setup")
+    (q, k, v, clean_options), (pq, pk, pv, options), dout = make(setup, poison)
+    want_out, want_lse = attention_ref(q, k, v, **clean_options)
+    want = reference_grads(attention_ref, q, k, v, dout, torch.float64, **clean_options)
+    nan = expected_nan(setup, poison)
+    with torch.no_grad():
+        out, lse = flashtile.attention(pq, pk, pv, return_lse=True, **options)
+    check("out (no grad)", out, want_out, nan["out"], atol=1e-5)
+    check("lse (no grad)", lse, want_lse, nan["lse"], atol=1e-5)
+    leaves = [x.requires_grad_() for x in (pq, pk, pv)]
+    out, lse = flashtile.attention(*leaves, return_lse=True, **options)
+    check("out", out.detach(), want_out, nan["out"], atol=1e-5)
+    check("lse", lse, want_lse, nan["lse"], atol=1e-5)
+    for name, grad, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want):
+        check(name, grad, w, nan[name], atol=1e-4)

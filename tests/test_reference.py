@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flashtile.reference import attention_chunked, attention_ref, varlen_apply
+from nonfinite_cases import POISONS, SETUPS, applies, blind_rows, check, expected_nan, make, poison_id
 
 
 def direct(q, k, v, causal=False, window=(-1, -1), softcap=0.0, slopes=None):
@@ -109,3 +110,22 @@ def test_varlen_apply_matches_per_sequence_calls():
     o1, l1 = attention_ref(q[3:20][None], k[5:22][None], v[5:22][None], causal=True)
     torch.testing.assert_close(out[3:20], o1[0])
     torch.testing.assert_close(lse[:, 3:20], l1[0])
+
+
+@pytest.mark.parametrize("poison", POISONS, ids=poison_id)
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("path", ["reference", "chunked"])
+def test_nonfinite_input_poisons_exactly_the_rows_that_read_it(path, setup, poison):
+    if not applies(setup, poison):
+        pytest.skip("no ALiBi slopes in this setup")
+    (q, k, v, clean_options), (pq, pk, pv, options), _ = make(setup, poison)
+    want_out, want_lse = attention_ref(q, k, v, **clean_options)
+    if path == "reference":
+        out, lse = attention_ref(pq, pk, pv, **options)
+    else:
+        out, lse = attention_chunked(pq, pk, pv, query_chunk=16, key_chunk=8, **options)
+    nan = expected_nan(setup, poison)
+    check("out", out, want_out, nan["out"], atol=1e-5)
+    check("lse", lse, want_lse, nan["lse"], atol=1e-5)
+    blind = blind_rows(setup)
+    assert (out.transpose(1, 2)[blind] == 0).all() and torch.isneginf(lse[blind]).all()

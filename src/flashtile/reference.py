@@ -12,6 +12,13 @@ Both follow one definition (also kernels/common/params.cuh and mask.cuh). For qu
 
 A row that sees no key has o_i = 0 and lse_i = -inf. Layout (batch, seqlen, heads, head_dim); GQA when
 heads_q is a multiple of heads_kv: query head h reads key/value head h // (heads_q // heads_kv).
+
+Non-finite inputs reach exactly the rows that read them. Scores follow IEEE arithmetic: a NaN in q_i, in a
+visible k_j or in slope_h makes row i's output and LSE NaN, and so does an Inf in q_i or slope_h (it makes a
+score +inf, inf - inf or leaves only -inf scores: no softmax exists). A NaN or Inf in a visible v_j makes
+o_i NaN (lse_i does not read v). A row never reads what its mask hides, nor another row's inputs: those
+rows, and every gradient that depends on no poisoned row, stay exact. -inf is the LSE of rows that see no
+key and of no other row.
 """
 
 from __future__ import annotations
@@ -39,6 +46,31 @@ def visible(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int
     if right >= 0:
         ok &= cols[None, :] <= diag + right
     return ok
+
+
+def sees_a_key(rows: torch.Tensor, seqlen_q: int, seqlen_k: int, left: int, right: int) -> torch.Tensor:
+    """Boolean (len(rows),): which query rows see at least one key (the others give 0 and LSE -inf)."""
+    diag = rows + (seqlen_k - seqlen_q)
+    first = (diag - left).clamp_min(0) if left >= 0 else torch.zeros_like(rows)
+    last = (diag + right).clamp_max(seqlen_k - 1) if right >= 0 else torch.full_like(rows, seqlen_k - 1)
+    return first <= last
+
+
+def _lse_rule(lse: torch.Tensor, has_key: torch.Tensor) -> torch.Tensor:
+    """-inf for rows that see no key; any other non-finite LSE (a row that read a NaN or Inf) becomes NaN."""
+    lse = torch.where(torch.isfinite(lse), lse, math.nan)
+    return lse.masked_fill(~has_key, float("-inf"))
+
+
+def _nonfinite_keys(x: torch.Tensor) -> torch.Tensor | None:
+    """(..., seqlen) mask of the key/value vectors of x (..., seqlen, dim) that hold a NaN or Inf; None if none."""
+    bad = ~torch.isfinite(x).all(dim=-1)
+    return bad if bool(bad.any()) else None
+
+
+def _finite(x: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
+    """x with the vectors that `bad` marks set to 0: what a product may multiply by a zero weight."""
+    return x if bad is None else x.masked_fill(bad[..., None], 0.0)
 
 
 def _capped_scores(q, k, scale, softcap):
@@ -102,10 +134,15 @@ def attention_ref(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
     cols = torch.arange(seqlen_k, device=q.device)
     s = _scores(qh, kh, rows, cols, scale, softcap, slopes, seqlen_q, seqlen_k, left, right)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows with no visible key: exp(-inf + inf) -> 0
-    o = torch.einsum("bhgqk,bhkd->bhgqd", p, vh)
+    has_key = sees_a_key(rows, seqlen_q, seqlen_k, left, right)
+    p = torch.exp(s - lse[..., None]).masked_fill(~has_key[:, None], 0.0)  # no key: exp(-inf + inf) -> 0
+    bad_v = _nonfinite_keys(vh)
+    o = torch.einsum("bhgqk,bhkd->bhgqd", p, _finite(vh, bad_v))
+    if bad_v is not None:
+        seen = visible(rows, cols, seqlen_q, seqlen_k, left, right)
+        o = o.masked_fill((seen & bad_v[:, :, None, None, :]).any(dim=-1)[..., None], math.nan)
     batch, heads_q = q.shape[0], q.shape[2]
-    return _merge_heads(o), lse.reshape(batch, heads_q, seqlen_q)
+    return _merge_heads(o), _lse_rule(lse, has_key).reshape(batch, heads_q, seqlen_q)
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -145,6 +182,8 @@ def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=
     heads_kv, group = qh.shape[1], qh.shape[2]
     out = torch.empty(batch, heads_kv, group, seqlen_q, v.shape[-1], dtype=acc_dtype, device=q.device)
     lse = torch.empty(batch, heads_kv, group, seqlen_q, dtype=acc_dtype, device=q.device)
+    bad_v = _nonfinite_keys(vh)
+    v_finite = _finite(vh, bad_v)
 
     for row0 in range(0, seqlen_q, query_chunk):
         row1 = min(row0 + query_chunk, seqlen_q)
@@ -161,37 +200,45 @@ def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=
                         seqlen_q, seqlen_k, left, right)
             # Online softmax: raise the running max, rescale what was accumulated under the old one.
             m_new = torch.maximum(m, s.amax(dim=-1))
-            shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # nothing visible yet
+            shift = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # nothing visible yet
             correction = torch.exp(m - shift)
             p = torch.exp(s - shift[..., None])
             denom = denom * correction + p.sum(dim=-1)
-            acc = acc * correction[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", p, vh[:, :, col0:col1])
+            acc = acc * correction[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", p, v_finite[:, :, col0:col1])
+            if bad_v is not None:
+                seen = visible(rows, cols, seqlen_q, seqlen_k, left, right)
+                acc = acc.masked_fill((seen & bad_v[:, :, None, None, col0:col1]).any(dim=-1)[..., None], math.nan)
             m = m_new
-        seen = denom > 0
-        out[:, :, :, row0:row1] = torch.where(seen[..., None], acc / denom.clamp_min(1e-38)[..., None], 0.0)
-        lse[:, :, :, row0:row1] = torch.where(seen, m + torch.log(denom.clamp_min(1e-38)), float("-inf"))
+        has_key = sees_a_key(rows, seqlen_q, seqlen_k, left, right)
+        out[:, :, :, row0:row1] = (acc / denom[..., None]).masked_fill(~has_key[:, None], 0.0)
+        lse[:, :, :, row0:row1] = _lse_rule(m + torch.log(denom), has_key)
 
     return _merge_heads(out).to(q.dtype), lse.reshape(batch, heads_q, seqlen_q).float()
 
 
-def _backward_block(q, k, v, dout, lse, delta, rows, cols, scale, softcap, slopes, seqlen_q, seqlen_k, left, right):
+def _backward_block(q, k, q_finite, k_finite, v_finite, dout, lse, delta, rows, cols, scale, softcap, slopes,
+                    seqlen_q, seqlen_k, left, right):
     """Gradients of one (query chunk, key chunk) block: (dq, dk, dv) contributions, shaped like q, k, v.
 
     The probabilities are recomputed from the saved log-sum-exp, P = exp(S - lse); then
     dV = P^T dO, dP = dO V^T, dS = P * (dP - D). ALiBi and the mask shift the score by constants, so dS
     reaches the capped score unchanged; the softcap's derivative, 1 - tanh^2 = 1 - (capped / softcap)^2,
     takes it back to the raw score scale * q . k, whence dQ = scale * dS K and dK = scale * dS^T Q.
+    P and dS are exactly 0 where the mask hides a key, and the products that spread them over rows or keys
+    read the *_finite operands (NaN/Inf vectors zeroed): a NaN reaches only the rows and keys that read it.
     """
     capped = _capped_scores(q, k, scale, softcap)
     s = _bias_and_mask(capped, rows, cols, slopes, seqlen_q, seqlen_k, left, right)
-    p = torch.exp(s - lse[..., None])
+    hidden = ~visible(rows, cols, seqlen_q, seqlen_k, left, right)
+    p = torch.exp(s - lse[..., None]).masked_fill(hidden, 0.0)
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dout)
-    dp = torch.einsum("bhgqd,bhkd->bhgqk", dout, v)
+    dp = torch.einsum("bhgqd,bhkd->bhgqk", dout, v_finite)
     ds = p * (dp - delta[..., None])
     if softcap > 0:
         ds = ds * (1 - (capped / softcap) ** 2)
-    dq = scale * torch.einsum("bhgqk,bhkd->bhgqd", ds, k)
-    dk = scale * torch.einsum("bhgqk,bhgqd->bhkd", ds, q)
+    ds = ds.masked_fill(hidden, 0.0)
+    dq = scale * torch.einsum("bhgqk,bhkd->bhgqd", ds, k_finite)
+    dk = scale * torch.einsum("bhgqk,bhgqd->bhkd", ds, q_finite)
     return dq, dk, dv
 
 
@@ -216,6 +263,7 @@ def attention_chunked_backward(dout, q, k, v, out, lse, *, causal=False, softmax
     lse = lse.to(acc_dtype).reshape(batch, heads_kv, group, seqlen_q)
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # a row that sees no key: P = exp(s - inf) = 0
     dq, dk, dv = torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
+    q_finite, k_finite, v_finite = (_finite(x, _nonfinite_keys(x)) for x in (qh, kh, vh))
 
     for row0 in range(0, seqlen_q, query_chunk):
         row1 = min(row0 + query_chunk, seqlen_q)
@@ -225,7 +273,8 @@ def attention_chunked_backward(dout, q, k, v, out, lse, *, causal=False, softmax
             col1 = min(col0 + key_chunk, key_end)
             cols = torch.arange(col0, col1, device=q.device)
             dq_blk, dk_blk, dv_blk = _backward_block(
-                qh[:, :, :, row0:row1], kh[:, :, col0:col1], vh[:, :, col0:col1], doh[:, :, :, row0:row1],
+                qh[:, :, :, row0:row1], kh[:, :, col0:col1], q_finite[:, :, :, row0:row1], k_finite[:, :, col0:col1],
+                v_finite[:, :, col0:col1], doh[:, :, :, row0:row1],
                 lse[..., row0:row1], delta[..., row0:row1], rows, cols, scale, softcap, slopes,
                 seqlen_q, seqlen_k, left, right)
             dq[:, :, :, row0:row1] += dq_blk
