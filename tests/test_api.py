@@ -37,6 +37,24 @@ def test_non_contiguous_but_strided_inputs():
     torch.testing.assert_close(out.double(), attention_ref(q2, k, v)[0], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window_size": (7, 3), "softcap": 4.0}], ids=str)
+def test_cpu_outputs_are_contiguous_like_the_gpus(options, dtype, grad):
+    """out (batch, seqlen_q, heads_q, head_dim_v) and lse (batch, heads_q, seqlen_q), contiguous: in eval
+    `out.view(batch, seqlen, heads * head_dim)` must work as it does in training and on the GPU."""
+    q, k, v = (t.requires_grad_(grad) for t in qkv(sq=47, dtype=dtype))
+    out, lse = flashtile.attention(q, k, v, return_lse=True, **options)
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert out.view(2, 47, -1).shape == (2, 47, 4 * 32)
+    packed_q, packed_k, packed_v = (t.detach().flatten(0, 1).requires_grad_(grad) for t in (q, k, v))
+    cu_q = torch.tensor([0, 47, 94], dtype=torch.int32)
+    cu_k = torch.tensor([0, 47, 94], dtype=torch.int32)
+    out, lse = flashtile.varlen_attention(packed_q, packed_k, packed_v, cu_q, cu_k, 47, 47, return_lse=True,
+                                          **options)
+    assert out.is_contiguous() and lse.is_contiguous()
+
+
 BAD = [
     # (description, mutate(q, k, v, kwargs) -> (q, k, v, kwargs), exception, words in the message)
     ("q not a tensor", lambda q, k, v, kw: (q.tolist(), k, v, kw), TypeError, ["q", "torch.Tensor"]),

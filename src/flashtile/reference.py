@@ -158,6 +158,14 @@ def _key_range(row0: int, row1: int, seqlen_q: int, seqlen_k: int, left: int, ri
     return begin, end
 
 
+def _empty_outputs(q: torch.Tensor, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU path's results, laid out as the GPU's: out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype
+    and lse (batch, heads_q, seqlen_q) fp32, both contiguous."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = torch.empty(batch, seqlen_q, heads_q, head_dim_v, dtype=q.dtype, device=q.device)
+    return out, torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=q.device)
+
+
 def _chunked_setup(q, k, v, causal, softmax_scale, window_size, alibi_slopes):
     """What the chunked forward and backward both start from: accumulator dtype, scale, window bounds, and
     the inputs split into (batch, heads_kv, group, ...) heads in that dtype."""
@@ -173,15 +181,16 @@ def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=
 
     Extra memory is one (batch, heads, query_chunk, key_chunk) score block, whatever the sequence
     length. Arithmetic is fp32 (fp64 for fp64 inputs). Returns ``(out, lse)`` with out in the input dtype
-    and lse fp32, shaped like :func:`attention_ref`'s.
+    and lse fp32, shaped like :func:`attention_ref`'s and contiguous.
     """
-    batch, seqlen_q, heads_q, _ = q.shape
+    batch, seqlen_q = q.shape[:2]
     seqlen_k = k.shape[1]
     acc_dtype, scale, left, right, qh, kh, vh, slopes = _chunked_setup(q, k, v, causal, softmax_scale,
                                                                        window_size, alibi_slopes)
     heads_kv, group = qh.shape[1], qh.shape[2]
-    out = torch.empty(batch, heads_kv, group, seqlen_q, v.shape[-1], dtype=acc_dtype, device=q.device)
-    lse = torch.empty(batch, heads_kv, group, seqlen_q, dtype=acc_dtype, device=q.device)
+    out, lse = _empty_outputs(q, v.shape[-1])
+    out_heads = out.view(batch, seqlen_q, heads_kv, group, v.shape[-1]).permute(0, 2, 3, 1, 4)
+    lse_heads = lse.view(batch, heads_kv, group, seqlen_q)
     bad_v = _nonfinite_keys(vh)
     v_finite = _finite(vh, bad_v)
 
@@ -210,10 +219,10 @@ def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=
                 acc = acc.masked_fill((seen & bad_v[:, :, None, None, col0:col1]).any(dim=-1)[..., None], math.nan)
             m = m_new
         has_key = sees_a_key(rows, seqlen_q, seqlen_k, left, right)
-        out[:, :, :, row0:row1] = (acc / denom[..., None]).masked_fill(~has_key[:, None], 0.0)
-        lse[:, :, :, row0:row1] = _lse_rule(m + torch.log(denom), has_key)
+        out_heads[:, :, :, row0:row1] = (acc / denom[..., None]).masked_fill(~has_key[:, None], 0.0)
+        lse_heads[:, :, :, row0:row1] = _lse_rule(m + torch.log(denom), has_key)
 
-    return _merge_heads(out).to(q.dtype), lse.reshape(batch, heads_q, seqlen_q).float()
+    return out, lse
 
 
 def _backward_block(q, k, q_finite, k_finite, v_finite, dout, lse, delta, rows, cols, scale, softcap, slopes,
