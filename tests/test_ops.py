@@ -82,6 +82,23 @@ def test_gradcheck_of_the_forward_op_in_fp64():
                                     (q, k, v), atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("shape,options", [
+    ((6, 6, 4, 2), {"causal": True}),
+    ((5, 9, 4, 2), {"causal": True}),
+    ((6, 9, 2, 1), {"window_size": (3, 1), "softcap": 1.5}),
+], ids=str)
+def test_gradcheck_through_flashtile_attention_in_fp64(shape, options):
+    """fp64 on CPU: flashtile.attention and varlen_attention are differentiable to gradcheck's precision."""
+    sq, sk, hq, hkv = shape
+    q, k, v = _dense(batch=2, sq=sq, sk=sk, hq=hq, hkv=hkv, d=4, dv=4, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda q, k, v: flashtile.attention(q, k, v, **options), (q, k, v))
+    cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32)
+    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32)
+    packed = [t.detach().flatten(0, 1).requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: flashtile.varlen_attention(q, k, v, cu_q, cu_k, sq, sk, **options), packed)
+
+
 def test_lse_is_returned_but_not_differentiable():
     q, k, v = _dense()
     out, lse = flashtile.attention(q, k, v, return_lse=True)
