@@ -1,4 +1,5 @@
-"""Exact attention in plain PyTorch: the fp64 reference, and the chunked online-softmax CPU path.
+"""Exact attention in PyTorch: the fp64 reference, and the CPU path (torch's fused kernel where it serves, see
+cpu_kernel.py; elsewhere a chunked online-softmax loop in plain PyTorch).
 
 Both follow one definition (also kernels/common/params.cuh and mask.cuh). For query i and key j of a
 (batch, head) problem with seqlen_q queries and seqlen_k keys:
@@ -27,6 +28,7 @@ import math
 
 import torch
 
+from . import cpu_kernel
 from .forward import LOG2E, default_scale
 
 QUERY_CHUNK = 256   # rows of queries per step of the CPU path
@@ -350,25 +352,39 @@ def _chunked_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, window_
     return dq, dk, dv
 
 
+def _torch_kernel_serves(q, k, v, left, right, softcap, alibi_slopes) -> bool:
+    """Whether torch's fused CPU kernel takes this call: it serves the options (cpu_kernel.serves) and q, k, v
+    are finite (read last: one pass over each)."""
+    return cpu_kernel.serves(q, k, v, left, right, softcap, alibi_slopes) and all(map(_all_finite, (q, k, v)))
+
+
 def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, query_chunk=QUERY_CHUNK, key_chunk=KEY_CHUNK):
-    """The CPU path's forward: FlashAttention's algorithm in plain PyTorch (the chunked loop).
+                      alibi_slopes=None, query_chunk=QUERY_CHUNK, key_chunk=KEY_CHUNK, torch_kernel=True):
+    """The CPU path's forward: torch's fused FlashAttention kernel where it serves (cpu_kernel.py), else
+    FlashAttention's algorithm in plain PyTorch (the chunked loop; `torch_kernel=False` forces it).
 
     Extra memory is a few (batch * heads, query_chunk, key_chunk) blocks, whatever the sequence length.
     Arithmetic is fp32 (fp64 for fp64 inputs). Returns ``(out, lse)`` with out in the input dtype and lse
     fp32, shaped like :func:`attention_ref`'s and contiguous.
     """
+    left, right = effective_window(causal, window_size)
+    if torch_kernel and _torch_kernel_serves(q, k, v, left, right, softcap, alibi_slopes):
+        return cpu_kernel.forward(q, k, v, _scale_of(softmax_scale, q), causal=right == 0)
     return _chunked_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             softcap=softcap, alibi_slopes=alibi_slopes, query_chunk=query_chunk, key_chunk=key_chunk)
 
 
 def attention_chunked_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                               softcap=0.0, alibi_slopes=None, query_chunk=QUERY_CHUNK, key_chunk=KEY_CHUNK):
-    """The CPU path's backward. `out` and `lse` are what a forward returned for these inputs and options;
-    `dout` is the gradient of the loss with respect to `out`. Arithmetic is fp32 (fp64 for fp64 inputs).
-    Returns ``(dq, dk, dv)`` shaped and typed like q, k, v and contiguous; with GQA dk and dv sum over the
-    query heads that share a key/value head.
+                               softcap=0.0, alibi_slopes=None, query_chunk=QUERY_CHUNK, key_chunk=KEY_CHUNK,
+                               torch_kernel=True):
+    """The CPU path's backward, on the kernel :func:`attention_chunked` chooses for the same arguments. `out`
+    and `lse` are what a forward returned for these inputs and options; `dout` is the gradient of the loss
+    with respect to `out`. Arithmetic is fp32 (fp64 for fp64 inputs). Returns ``(dq, dk, dv)`` shaped and
+    typed like q, k, v and contiguous; with GQA dk and dv sum over the query heads that share a key/value head.
     """
+    left, right = effective_window(causal, window_size)
+    if torch_kernel and _torch_kernel_serves(q, k, v, left, right, softcap, alibi_slopes):
+        return cpu_kernel.backward(dout, q, k, v, out, lse, _scale_of(softmax_scale, q), causal=right == 0)
     return _chunked_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                              query_chunk=query_chunk, key_chunk=key_chunk)
