@@ -49,14 +49,15 @@ def time_cuda(fn: Callable[[], object], reps: int = 30, warmup: int = 5) -> floa
 
 
 def time_cpu(fns: dict[Hashable, Callable[[], object]], reps: int = 5, warmup: int = 1) -> dict[Hashable, float]:
-    """Median milliseconds of each callable on the host clock. They take turns, one call each per round, so
-    that load from other processes on a shared host falls on all of them alike."""
+    """Median milliseconds of each callable on the host clock. They take turns, one call each per round, every
+    other round in reverse order, so that neither load from other processes on a shared host nor a place in
+    the order (after the heaviest call, say) falls on one of them more than on the others."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[Hashable, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    for round_ in range(reps):
+        for name, fn in (list(fns.items()) if round_ % 2 == 0 else list(reversed(fns.items()))):
             start = time.perf_counter()
             fn()
             samples[name].append((time.perf_counter() - start) * 1e3)
