@@ -23,8 +23,16 @@ POISONS = [("q", math.nan), ("k", math.nan), ("v", math.nan), ("slope", math.nan
            ("q", math.inf), ("q", -math.inf), ("v", math.inf), ("slope", math.inf), ("slope", -math.inf)]
 
 
-def poison_id(p) -> str:
-    return f"{p[0]}={p[1]}"
+def _applies(setup: str, poison) -> bool:
+    return poison[0] != "slope" or SETUPS[setup]["options"].get("alibi", False)
+
+
+NONFINITE_CASES = [(setup, poison) for setup in SETUPS for poison in POISONS if _applies(setup, poison)]
+
+
+def case_id(case) -> str:
+    setup, (where, value) = case
+    return f"{setup}-{where}={value}"
 
 
 def make(setup: str, poison, dtype=torch.float32, seed=0):
@@ -53,10 +61,6 @@ def make(setup: str, poison, dtype=torch.float32, seed=0):
         else:
             target.fill_(value)
     return clean, (q, k, v, options), dout
-
-
-def applies(setup: str, poison) -> bool:
-    return poison[0] != "slope" or SETUPS[setup]["options"].get("alibi", False)
 
 
 def expected_nan(setup: str, poison) -> dict[str, torch.Tensor]:
