@@ -4,8 +4,9 @@
 its backward take (batch, heads, seqlen, head_dim) views, GQA included, and return the natural-log LSE as
 (batch, heads, seqlen_q). Its causal mask is top-left aligned, flashtile's bottom-right; they agree when
 seqlen_q == seqlen_k, and the other shapes reduce to that one (see :func:`forward`). It serves attention
-without softcap, ALiBi or a sliding window, with head_dim_v == head_dim, on finite inputs only: its masked-out
-zeros multiply a NaN or Inf and spread NaN to rows that never read it, which reference.py's rule forbids.
+without softcap, ALiBi or a sliding window, with head_dim_v == head_dim, on finite inputs only, which the
+caller checks beforehand: with a NaN or Inf its masked-out zeros spread NaN to rows that never read it, and
+some rows that do read one come out finite (a NaN dropped), so its outputs cannot tell either case.
 """
 
 from __future__ import annotations
