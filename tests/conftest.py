@@ -59,3 +59,18 @@ def fresh_warnings():
     reset_warnings()
     yield
     reset_warnings()
+
+
+@pytest.fixture
+def torch_kernel_calls(monkeypatch):
+    """Names ("forward", "backward") of the calls the CPU path makes to torch's fused kernel, in order."""
+    from flashtile import cpu_kernel
+
+    calls = []
+    for name in ("forward", "backward"):
+        def spy(*args, _run=getattr(cpu_kernel, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(cpu_kernel, name, spy)
+    return calls

@@ -38,11 +38,28 @@ def test_non_contiguous_but_strided_inputs():
     torch.testing.assert_close(out.double(), attention_ref(q2, k, v)[0], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window_size": (7, 3), "softcap": 4.0}], ids=str)
+def test_cpu_outputs_are_contiguous_like_the_gpus(options, dtype, grad):
+    """out (batch, seqlen_q, heads_q, head_dim_v) and lse (batch, heads_q, seqlen_q), contiguous: in eval
+    `out.view(batch, seqlen, heads * head_dim)` must work as it does in training and on the GPU."""
+    q, k, v = (t.requires_grad_(grad) for t in qkv(sq=47, dtype=dtype))
+    out, lse = flashtile.attention(q, k, v, return_lse=True, **options)
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert out.view(2, 47, -1).shape == (2, 47, 4 * 32)
+    packed_q, packed_k, packed_v = (t.detach().flatten(0, 1).requires_grad_(grad) for t in (q, k, v))
+    cu_q = torch.tensor([0, 47, 94], dtype=torch.int32)
+    cu_k = torch.tensor([0, 47, 94], dtype=torch.int32)
+    out, lse = flashtile.varlen_attention(packed_q, packed_k, packed_v, cu_q, cu_k, 47, 47, return_lse=True,
+                                          **options)
+    assert out.is_contiguous() and lse.is_contiguous()
+
+
 BAD = [
     # (description, mutate(q, k, v, kwargs) -> (q, k, v, kwargs), exception, words in the message)
     ("q not a tensor", lambda q, k, v, kw: (q.tolist(), k, v, kw), TypeError, ["q", "torch.Tensor"]),
     ("integer dtype", lambda q, k, v, kw: (q.int(), k, v, kw), TypeError, ["q", "float16"]),
-    ("float64", lambda q, k, v, kw: (q.double(), k.double(), v.double(), kw), TypeError, ["q", "float64"]),
     ("mixed dtypes", lambda q, k, v, kw: (q, k.half(), v, kw), TypeError, ["dtype"]),
     ("rank 3 q", lambda q, k, v, kw: (q[0], k, v, kw), ValueError, ["q", "4 dimensions"]),
     ("rank 5 k", lambda q, k, v, kw: (q, k[None], v, kw), ValueError, ["k", "4 dimensions"]),
@@ -77,6 +94,27 @@ def test_bad_input_is_refused_clearly(name, mutate, exc, words):
         flashtile.attention(q, k, v, **kwargs)
     for word in words:
         assert word in str(info.value), f"{name}: {word!r} not in {info.value}"
+
+
+def test_float64_on_cpu_matches_the_reference():
+    q, k, v = qkv(dtype=torch.float64)
+    out, lse = flashtile.attention(q, k, v, causal=True, return_lse=True)
+    ref_out, ref_lse = attention_ref(q, k, v, causal=True)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_float64_off_the_cpu_is_refused_clearly(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    q, k, v = (t.double().to(device) for t in qkv())
+    for call in (lambda: flashtile.attention(q, k, v),
+                 lambda: flashtile.varlen_attention(q[0], k[0], v[0], *[torch.tensor([0, 33], dtype=torch.int32,
+                                                    device=device)] * 2, 33, 47)):
+        with pytest.raises(TypeError, match="q is torch.float64.*CPU-only"):
+            call()
 
 
 def test_mixed_devices_are_refused():

@@ -75,3 +75,18 @@ def test_bench_writes_only_where_out_says(tmp_path, monkeypatch):
     assert cli.main([*SMALL_BENCH, "--out", str(out)]) == 0
     assert list(work.iterdir()) == [] and (out / "performance.md").is_file()
     assert any(p.suffix == ".json" for p in (out / "results").iterdir())
+
+
+def test_cpu_ladder_shows_flashtile_beside_torchs_cpu_sdpa(tmp_path, capsys):
+    """Without a GPU `bench ladder` times the CPU path; the table's speed-up is the ratio to torch's CPU SDPA."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the ladder times the rungs")
+    assert cli.main(["bench", "ladder", "--shape", "1,2,64,16", "--dtype", "fp32", "--causal",
+                     "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up over sdpa-flash (cpu)" in out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") == 5}
+    assert {"flashtile (cpu)", "chunked loop (cpu)", "sdpa-flash (cpu)", "sdpa-math (cpu)"} <= set(rows)
+    assert rows["sdpa-flash (cpu)"].split("│")[4].strip() == "1.00×"

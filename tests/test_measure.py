@@ -40,3 +40,11 @@ def test_time_rounds_runs_every_kernel_once_per_round(monkeypatch, rounds):
     monkeypatch.setattr(measure, "time_cuda", lambda fn, reps: calls.append(fn()) or 1.0)
     measure.time_rounds({k: (lambda k=k: lambda: k) for k in "xyz"}, rounds=rounds)
     assert sorted(calls) == sorted("xyz" * rounds)
+
+
+def test_time_cpu_takes_turns_and_alternates_the_order():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    medians = measure.time_cpu(fns, reps=3, warmup=1)
+    assert set(medians) == set("abc") and all(ms >= 0 for ms in medians.values())
+    assert "".join(calls) == "abc" + "abc" + "cba" + "abc"

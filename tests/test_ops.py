@@ -8,7 +8,8 @@ import torch
 import flashtile
 from flashtile import ops
 from flashtile.reference import attention_ref, varlen_apply
-from flashtile.testing import compare_grads
+from flashtile.testing import compare_grads, reference_grads
+from nonfinite_cases import NONFINITE_CASES, case_id, check, expected_nan, make
 
 
 def _dense(batch=2, sq=37, sk=45, hq=4, hkv=2, d=16, dv=24, dtype=torch.float32, seed=0):
@@ -81,6 +82,23 @@ def test_gradcheck_of_the_forward_op_in_fp64():
                                     (q, k, v), atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("shape,options", [
+    ((6, 6, 4, 2), {"causal": True}),
+    ((5, 9, 4, 2), {"causal": True}),
+    ((6, 9, 2, 1), {"window_size": (3, 1), "softcap": 1.5}),
+], ids=str)
+def test_gradcheck_through_flashtile_attention_in_fp64(shape, options):
+    """fp64 on CPU: flashtile.attention and varlen_attention are differentiable to gradcheck's precision."""
+    sq, sk, hq, hkv = shape
+    q, k, v = _dense(batch=2, sq=sq, sk=sk, hq=hq, hkv=hkv, d=4, dv=4, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda q, k, v: flashtile.attention(q, k, v, **options), (q, k, v))
+    cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32)
+    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32)
+    packed = [t.detach().flatten(0, 1).requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: flashtile.varlen_attention(q, k, v, cu_q, cu_k, sq, sk, **options), packed)
+
+
 def test_lse_is_returned_but_not_differentiable():
     q, k, v = _dense()
     out, lse = flashtile.attention(q, k, v, return_lse=True)
@@ -113,3 +131,22 @@ def test_bad_training_options_are_named(bad, match):
     q, k, v = _dense()
     with pytest.raises((TypeError, ValueError), match=match):
         flashtile.attention(q, k, v, **bad)
+
+
+@pytest.mark.parametrize("setup,poison", NONFINITE_CASES, ids=[case_id(c) for c in NONFINITE_CASES])
+def test_nonfinite_inputs_through_flashtile_attention(setup, poison):
+    """The public call, forward and backward, on whichever CPU kernel serves these options."""
+    (q, k, v, clean_options), (pq, pk, pv, options), dout = make(setup, poison)
+    want_out, want_lse = attention_ref(q, k, v, **clean_options)
+    want = reference_grads(attention_ref, q, k, v, dout, torch.float64, **clean_options)
+    nan = expected_nan(setup, poison)
+    with torch.no_grad():
+        out, lse = flashtile.attention(pq, pk, pv, return_lse=True, **options)
+    check("out (no grad)", out, want_out, nan["out"], atol=1e-5)
+    check("lse (no grad)", lse, want_lse, nan["lse"], atol=1e-5)
+    leaves = [x.requires_grad_() for x in (pq, pk, pv)]
+    out, lse = flashtile.attention(*leaves, return_lse=True, **options)
+    check("out", out.detach(), want_out, nan["out"], atol=1e-5)
+    check("lse", lse, want_lse, nan["lse"], atol=1e-5)
+    for name, grad, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout), want):
+        check(name, grad, w, nan[name], atol=1e-4)

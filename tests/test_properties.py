@@ -1,5 +1,5 @@
-"""Property tests (hypothesis): the chunked CPU path equals the fp64 reference, forward and backward, for any
-shape, mask, GQA grouping, softcap, ALiBi and chunk sizes."""
+"""Property tests (hypothesis): the CPU path equals the fp64 reference, forward and backward, for any shape,
+mask, GQA grouping, softcap, ALiBi and chunk sizes, on the chunked loop and on whichever kernel serves."""
 
 import torch
 from hypothesis import given, settings
@@ -25,7 +25,8 @@ def problems(draw):
     v = torch.randn(batch, seqlen_k, heads_kv, head_dim_v, generator=g, dtype=torch.float64)
     if draw(st.booleans()):
         options["alibi_slopes"] = torch.rand(heads_kv * group, generator=g, dtype=torch.float64)
-    chunks = {"query_chunk": draw(st.integers(1, 16)), "key_chunk": draw(st.integers(1, 16))}
+    chunks = {"query_chunk": draw(st.integers(1, 16)), "key_chunk": draw(st.integers(1, 16)),
+              "torch_kernel": draw(st.booleans())}
     return q, k, v, options, chunks
 
 

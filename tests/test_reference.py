@@ -1,4 +1,5 @@
-"""The reference against a direct formula, and the chunked CPU path against the reference."""
+"""The reference against a direct formula, and the CPU path against the reference: torch's fused kernel
+where it serves, the chunked loop everywhere (forced with torch_kernel=False)."""
 
 import math
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from flashtile.reference import attention_chunked, attention_ref, varlen_apply
+from nonfinite_cases import NONFINITE_CASES, blind_rows, case_id, check, expected_nan, make
 
 
 def direct(q, k, v, causal=False, window=(-1, -1), softcap=0.0, slopes=None):
@@ -67,8 +69,9 @@ def test_fully_masked_rows_are_zero_with_minus_inf_lse():
     out, lse = attention_ref(q, k, v, causal=True)  # rows 0..3 sit left of the bottom-right diagonal
     assert torch.isneginf(lse[0, 0, :4]).all() and torch.isfinite(lse[0, 0, 4:]).all()
     assert (out[0, :4] == 0).all()
-    chunked_out, chunked_lse = attention_chunked(q, k, v, causal=True)
-    assert (chunked_out[0, :4] == 0).all() and torch.isneginf(chunked_lse[0, 0, :4]).all()
+    for torch_kernel in (False, True):
+        chunked_out, chunked_lse = attention_chunked(q, k, v, causal=True, torch_kernel=torch_kernel)
+        assert (chunked_out[0, :4] == 0).all() and torch.isneginf(chunked_lse[0, 0, :4]).all()
 
 
 CHUNKED_CASES = [
@@ -91,12 +94,48 @@ def test_chunked_path_matches_reference(case):
     v = torch.randn(batch, sk, hkv, dv, generator=g).to(dtype)
     slopes = torch.rand(batch, hq, generator=g) if alibi else None
     options = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
-    out, lse = attention_chunked(q, k, v, query_chunk=128, key_chunk=200, **options)
+    out, lse = attention_chunked(q, k, v, query_chunk=128, key_chunk=200, torch_kernel=False, **options)
     ref_out, ref_lse = attention_ref(q, k, v, **options)
-    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.is_contiguous() and lse.is_contiguous()
     tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=tol)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=max(tol, 1e-5), equal_nan=False)
+
+
+KERNEL_CASES = [
+    # batch, seqlen_q, seqlen_k, heads_q, heads_kv, dim, causal: what torch's fused kernel serves
+    (2, 300, 700, 4, 4, 32, False),
+    (1, 333, 333, 4, 2, 64, True),
+    (2, 100, 1000, 6, 1, 64, True),    # seqlen_q < seqlen_k: a whole prefix of keys, then the square diagonal
+    (1, 700, 300, 4, 2, 40, True),     # seqlen_q > seqlen_k: the first 400 rows see no key
+    (1, 1, 257, 2, 2, 128, True),
+]
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_torch_kernel_route_matches_reference(case, dtype, torch_kernel_calls):
+    batch, sq, sk, hq, hkv, d, causal = case
+    g = torch.Generator().manual_seed(sq * sk)
+    q, k, v = (torch.randn(batch, s, h, d, generator=g).to(dtype) for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    out, lse = attention_chunked(q, k, v, causal=causal)
+    assert torch_kernel_calls == ["forward"]
+    ref_out, ref_lse = attention_ref(q, k, v, causal=causal)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.is_contiguous() and lse.is_contiguous()
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=TOLERANCE[dtype])
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=max(TOLERANCE[dtype], 1e-5))
+
+
+@pytest.mark.parametrize("options", [{"softcap": 5.0}, {"window_size": (9, -1)}, {"window_size": (-1, 3)},
+                                     {"alibi_slopes": torch.rand(2)}], ids=str)
+def test_what_torch_kernel_cannot_serve_takes_the_loop(options, torch_kernel_calls):
+    q, k, v = (torch.randn(1, 20, 2, 8) for _ in range(3))
+    attention_chunked(q, k, v, **options)
+    attention_chunked(q, k, v[..., :4], causal=True)  # head_dim_v != head_dim
+    q[0, 3, 1, 2] = math.nan
+    attention_chunked(q, k, v)  # non-finite input
+    assert torch_kernel_calls == []
 
 
 def test_varlen_apply_matches_per_sequence_calls():
@@ -109,3 +148,20 @@ def test_varlen_apply_matches_per_sequence_calls():
     o1, l1 = attention_ref(q[3:20][None], k[5:22][None], v[5:22][None], causal=True)
     torch.testing.assert_close(out[3:20], o1[0])
     torch.testing.assert_close(lse[:, 3:20], l1[0])
+
+
+@pytest.mark.parametrize("setup,poison", NONFINITE_CASES, ids=[case_id(c) for c in NONFINITE_CASES])
+@pytest.mark.parametrize("path", ["reference", "chunked", "auto"])
+def test_nonfinite_input_poisons_exactly_the_rows_that_read_it(path, setup, poison):
+    (q, k, v, clean_options), (pq, pk, pv, options), _ = make(setup, poison)
+    want_out, want_lse = attention_ref(q, k, v, **clean_options)
+    if path == "reference":
+        out, lse = attention_ref(pq, pk, pv, **options)
+    else:  # "auto" leaves the choice to attention_chunked, which sends non-finite inputs to the loop
+        out, lse = attention_chunked(pq, pk, pv, query_chunk=16, key_chunk=8, torch_kernel=path == "auto",
+                                     **options)
+    nan = expected_nan(setup, poison)
+    check("out", out, want_out, nan["out"], atol=1e-5)
+    check("lse", lse, want_lse, nan["lse"], atol=1e-5)
+    blind = blind_rows(setup)
+    assert (out.transpose(1, 2)[blind] == 0).all() and torch.isneginf(lse[blind]).all()

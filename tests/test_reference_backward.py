@@ -1,4 +1,5 @@
-"""The chunked CPU backward pass against autograd through the fp64 reference."""
+"""The CPU backward pass against autograd through the fp64 reference: the chunked loop on every case
+(torch_kernel=False), torch's fused kernel on the cases it serves."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from flashtile.reference import (
     varlen_apply_backward,
 )
 from flashtile.testing import ABS_FLOOR, ERROR_RATIO
+from nonfinite_cases import NONFINITE_CASES, case_id, check, expected_nan, make
 
 CHUNKS = {"query_chunk": 16, "key_chunk": 32}  # small, so several query and key chunks meet in every case
 FP64_RELATIVE_TOLERANCE = 1e-9
@@ -54,11 +56,12 @@ def max_error(a, b):
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
+@pytest.mark.parametrize("torch_kernel", [False, True], ids=["loop", "auto"])
 @pytest.mark.parametrize("case", CASES)
-def test_fp64_backward_matches_autograd_of_reference(case):
+def test_fp64_backward_matches_autograd_of_reference(case, torch_kernel):
     q, k, v, dout, options = make_inputs(case)
     out, lse = attention_ref(q, k, v, **options)
-    grads = attention_chunked_backward(dout, q, k, v, out, lse, **options, **CHUNKS)
+    grads = attention_chunked_backward(dout, q, k, v, out, lse, **options, **CHUNKS, torch_kernel=torch_kernel)
     for name, grad, want, x in zip("qkv", grads, autograd_grads(q, k, v, dout, torch.float64, **options), (q, k, v)):
         assert grad.shape == x.shape and grad.dtype == x.dtype, name
         assert torch.isfinite(grad).all(), name
@@ -68,19 +71,55 @@ def test_fp64_backward_matches_autograd_of_reference(case):
     assert (grads[0][blind] == 0).all()
 
 
+@pytest.mark.parametrize("torch_kernel", [False, True], ids=["loop", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4], CASES[7]])
-def test_low_precision_error_within_twice_pytorchs(case, dtype):
-    """The FlashAttention rule (flashtile.testing), on the chunked forward's own out and fp32 lse."""
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[7]])
+def test_low_precision_error_within_twice_pytorchs(case, dtype, torch_kernel):
+    """The FlashAttention rule (flashtile.testing), on the CPU forward's own out and fp32 lse."""
     q, k, v, dout, options = make_inputs(case, dtype, seed=1)
-    out, lse = attention_chunked(q, k, v, **options, **CHUNKS)
-    grads = attention_chunked_backward(dout, q, k, v, out, lse, **options, **CHUNKS)
+    out, lse = attention_chunked(q, k, v, **options, **CHUNKS, torch_kernel=torch_kernel)
+    grads = attention_chunked_backward(dout, q, k, v, out, lse, **options, **CHUNKS, torch_kernel=torch_kernel)
     exact = autograd_grads(q.double(), k.double(), v.double(), dout, torch.float64, **options)
     torch_grads = autograd_grads(q, k, v, dout, dtype, **options)
     for name, grad, want, theirs in zip("qkv", grads, exact, torch_grads):
         assert grad.dtype == dtype and torch.isfinite(grad).all(), name
         ours, torch_error = max_error(grad, want), max_error(theirs, want)
         assert ours <= ERROR_RATIO * torch_error + ABS_FLOOR, f"d{name}: {ours:.2e} vs torch {torch_error:.2e}"
+
+
+KERNEL_CASES = [
+    # batch, seqlen_q, seqlen_k, heads_q, heads_kv, dim, causal: what torch's fused kernel serves
+    (2, 63, 63, 2, 2, 16, False),
+    (1, 63, 63, 4, 2, 16, True),
+    (1, 17, 63, 4, 1, 16, True),    # seqlen_q < seqlen_k: prefix and diagonal parts, dq summed
+    (2, 63, 17, 2, 1, 8, True),     # seqlen_q > seqlen_k: the first rows see nothing
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_torch_kernel_route_backward(case, dtype, torch_kernel_calls):
+    """Forward and backward on torch's fused kernel, within the FlashAttention rule; in fp64 the backward
+    alone, from the reference's fp64 LSE (the forward's is fp32), to 1e-9 of autograd through the reference."""
+    batch, sq, sk, hq, hkv, d, causal = case
+    g = torch.Generator().manual_seed(sq * sk)
+    q, k, v = (torch.randn(batch, s, h, d, generator=g).to(dtype) for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    dout = torch.randn(batch, sq, hq, d, generator=g).to(dtype)
+    if dtype == torch.float64:
+        out, lse = attention_ref(q, k, v, causal=causal)
+    else:
+        out, lse = attention_chunked(q, k, v, causal=causal)
+    grads = attention_chunked_backward(dout, q, k, v, out, lse, causal=causal)
+    assert torch_kernel_calls == (["backward"] if dtype == torch.float64 else ["forward", "backward"])
+    exact = autograd_grads(q.double(), k.double(), v.double(), dout, torch.float64, causal=causal)
+    torch_grads = autograd_grads(q, k, v, dout, dtype, causal=causal)
+    for name, grad, want, theirs, x in zip("qkv", grads, exact, torch_grads, (q, k, v)):
+        assert grad.shape == x.shape and grad.dtype == dtype and grad.is_contiguous(), name
+        if dtype == torch.float64:
+            assert max_error(grad, want) <= FP64_RELATIVE_TOLERANCE * max(want.abs().max().item(), 1.0), f"d{name}"
+        else:
+            ours, torch_error = max_error(grad, want), max_error(theirs, want)
+            assert ours <= ERROR_RATIO * torch_error + ABS_FLOOR, f"d{name}: {ours:.2e} vs torch {torch_error:.2e}"
 
 
 class ChunkedAttention(torch.autograd.Function):
@@ -132,3 +171,17 @@ def test_varlen_backward_matches_per_sequence_autograd():
         want = autograd_grads(q[sq][None], k[sk][None], v[sk][None], dout[sq][None], torch.float64, **dense)
         for grad, part, w in zip(grads, (sq, sk, sk), want):
             torch.testing.assert_close(grad[part], w[0], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("setup,poison", NONFINITE_CASES, ids=[case_id(c) for c in NONFINITE_CASES])
+def test_nonfinite_input_poisons_exactly_the_gradients_that_depend_on_it(setup, poison):
+    """The chunked backward after the chunked forward: a NaN reaches the gradients of the rows that read it
+    and of the keys those rows see; all others match the fp64 gradients of the clean inputs."""
+    (q, k, v, clean_options), (pq, pk, pv, options), dout = make(setup, poison)
+    chunks = {"query_chunk": 16, "key_chunk": 8, "torch_kernel": False}
+    out, lse = attention_chunked(pq, pk, pv, **options, **chunks)
+    grads = attention_chunked_backward(dout, pq, pk, pv, out, lse, **options, **chunks)
+    want = autograd_grads(q, k, v, dout, torch.float64, **clean_options)
+    nan = expected_nan(setup, poison)
+    for name, grad, w in zip(("dq", "dk", "dv"), grads, want):
+        check(name, grad, w, nan[name], atol=1e-4)

@@ -18,6 +18,7 @@ from . import dispatch, ladder, ops, reference
 from .forward import LOG2E, FwdProblem, default_scale
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CPU_ONLY_DTYPES = (torch.float64,)  # the chunked CPU path computes in them; no GPU kernel does
 MAX_HEAD_DIM = 256
 UNBOUNDED = -1                        # a window bound that lets every key in
 NO_WINDOW = (UNBOUNDED, UNBOUNDED)    # the default window_size (the fast paths test it by identity)
@@ -29,8 +30,11 @@ KEYED_NUMBERS = (float, int)          # the number types the call cache keys on 
 def _check_tensor(name: str, t, rank: int, what: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.dtype in CPU_ONLY_DTYPES and t.device.type != "cpu":
+        raise TypeError(f"{name} is {t.dtype} on {t.device}, but fp64 is CPU-only: use float16, bfloat16 or "
+                        "float32 there")
+    if t.dtype not in SUPPORTED_DTYPES + CPU_ONLY_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32 (or float64 on CPU), got {t.dtype}")
     if t.dim() != rank:
         raise ValueError(f"{name} must have {rank} dimensions {what}, got shape {tuple(t.shape)}")
     if t.numel() == 0:

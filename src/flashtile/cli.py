@@ -147,7 +147,7 @@ def cmd_bench(args) -> int:
             f"{r['vs_best'] or 0:.2f}x best", flush=True))
     else:
         if not torch.cuda.is_available():
-            print("No CUDA GPU here: timing the CPU path (chunked online softmax) against torch's CPU SDPA instead.")
+            print("No CUDA GPU here: timing the CPU path against torch's CPU SDPA instead.")
         doc = ladder_bench.run(args.shape, _DTYPES[args.dtype], args.causal, reps=args.reps,
                                progress=lambda name, ms: print(f"  {name:<18} {ms if ms is None else round(ms, 3)} ms",
                                                               flush=True))

@@ -17,6 +17,10 @@ from ..reference import attention_chunked
 from . import measure, peers
 
 
+CPU_REPS = 5                                     # rounds of timed calls on CPU (median)
+CPU_SDPA_BACKENDS = ("sdpa-flash", "sdpa-math")  # the first, torch's default CPU kernel, is the baseline
+
+
 def _inputs(batch, heads, seqlen, head_dim, dtype, device):
     g = torch.Generator(device=device).manual_seed(int(time.time()))  # fresh random inputs every run
     return [torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype, generator=g) for _ in range(3)]
@@ -39,11 +43,15 @@ def run(shape: tuple[int, int, int, int], dtype: torch.dtype, causal: bool, reps
     if not torch.cuda.is_available():
         doc["kind"] = "ladder-cpu"
         q, k, v = _inputs(batch, heads, seqlen, head_dim, dtype, "cpu")
-        add("cpu-chunked", "flashtile", measure.time_cpu(lambda: attention_chunked(q, k, v, causal=causal), reps=3))
-        runner = peers.sdpa_runner("sdpa-math", q, k, v, causal)
-        if runner:
-            add("sdpa-math (cpu)", "peer", measure.time_cpu(runner, reps=3))
-        return _with_speedups(doc, baseline="sdpa-math (cpu)")
+        ours = {"flashtile (cpu)": lambda: api.attention(q, k, v, causal=causal),
+                "chunked loop (cpu)": lambda: attention_chunked(q, k, v, causal=causal, torch_kernel=False)}
+        peer_runners = {f"{backend} (cpu)": peers.sdpa_runner(backend, q, k, v, causal)
+                        for backend in CPU_SDPA_BACKENDS}
+        timed = measure.time_cpu({**ours, **{name: fn for name, fn in peer_runners.items() if fn}}, reps=CPU_REPS)
+        for name in (*ours, *peer_runners):
+            add(name, "flashtile" if name in ours else "peer", timed.get(name),
+                "" if name in timed else "not available for these inputs")
+        return _with_speedups(doc, baseline=f"{CPU_SDPA_BACKENDS[0]} (cpu)")
 
     q, k, v = _inputs(batch, heads, seqlen, head_dim, dtype, "cuda")
     for rung in ladder.RUNGS:

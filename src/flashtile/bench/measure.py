@@ -48,16 +48,20 @@ def time_cuda(fn: Callable[[], object], reps: int = 30, warmup: int = 5) -> floa
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def time_cpu(fn: Callable[[], object], reps: int = 3, warmup: int = 1) -> float:
-    """Median milliseconds of `fn` on the host clock."""
+def time_cpu(fns: dict[Hashable, Callable[[], object]], reps: int = 5, warmup: int = 1) -> dict[Hashable, float]:
+    """Median milliseconds of each callable on the host clock. They take turns, one call each per round, every
+    other round in reverse order, so that neither load from other processes on a shared host nor a place in
+    the order (after the heaviest call, say) falls on one of them more than on the others."""
     for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+        for fn in fns.values():
+            fn()
+    samples: dict[Hashable, list[float]] = {name: [] for name in fns}
+    for round_ in range(reps):
+        for name, fn in (list(fns.items()) if round_ % 2 == 0 else list(reversed(fns.items()))):
+            start = time.perf_counter()
+            fn()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 HOST_TIMING_BATCH = 200  # calls per timed batch: well under the driver's ~1024 pending launches

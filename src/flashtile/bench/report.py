@@ -13,6 +13,11 @@ def _fmt(x, spec, dash="-"):
     return dash if x is None else format(x, spec)
 
 
+def _tflops_spec(doc: dict) -> str:
+    """TFLOP/s digits: a CPU does tenths of a TFLOP/s at best."""
+    return ".3f" if doc["kind"] == "ladder-cpu" else ".1f"
+
+
 def ladder_markdown(doc: dict) -> str:
     s = doc["shape"]
     lines = [f"Shape: batch {s['batch']}, heads {s['heads']}, seqlen {s['seqlen']}, head_dim {s['head_dim']}, "
@@ -21,8 +26,8 @@ def ladder_markdown(doc: dict) -> str:
              "| kernel | ms | TFLOP/s | speed-up |", "|---|---:|---:|---:|"]
     for r in doc["rows"]:
         note = f" ({r['note']})" if r.get("note") else ""
-        lines.append(f"| {r['name']}{note} | {_fmt(r['ms'], '.3f')} | {_fmt(r['tflops'], '.1f')} | "
-                     f"{_fmt(r['speedup'], '.1f')}{'×' if r['speedup'] else ''} |")
+        lines.append(f"| {r['name']}{note} | {_fmt(r['ms'], '.3f')} | {_fmt(r['tflops'], _tflops_spec(doc))} | "
+                     f"{_fmt(r['speedup'], '.2f')}{'×' if r['speedup'] else ''} |")
     rt = doc.get("runtime")
     if rt:
         lines += ["", f"Runtime costs ({rt['spec']}): cold NVRTC compile {rt['cold_compile_s']:.2f} s, "
@@ -45,12 +50,12 @@ def print_table(doc: dict) -> None:
     except ImportError:
         print(ladder_markdown(doc))
         return
-    table = Table(title=f"flashtile bench {doc['kind']}")
+    table = Table(title=f"flashtile bench {doc['kind']}", caption=f"speed-up over {doc['baseline']}")
     for col in ("kernel", "ms", "TFLOP/s", "speed-up"):
         table.add_column(col, justify="left" if col == "kernel" else "right")
     for r in doc["rows"]:
-        table.add_row(r["name"], _fmt(r["ms"], ".3f"), _fmt(r["tflops"], ".1f"),
-                      _fmt(r["speedup"], ".1f") + ("×" if r["speedup"] else ""))
+        table.add_row(r["name"], _fmt(r["ms"], ".3f"), _fmt(r["tflops"], _tflops_spec(doc)),
+                      _fmt(r["speedup"], ".2f") + ("×" if r["speedup"] else ""))
     Console().print(table)
 
 
