@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import operator
-import struct
 from numbers import Real
 
 import numpy as np
@@ -23,7 +22,9 @@ MAX_HEAD_DIM = 256
 UNBOUNDED = -1                        # a window bound that lets every key in
 NO_WINDOW = (UNBOUNDED, UNBOUNDED)    # the default window_size (the fast paths test it by identity)
 NO_SOFTCAP = 0.0                      # the default softcap, off (likewise)
-FP32 = struct.Struct("f")             # the kernels' params hold softmax_scale and softcap as float32
+# The kernels' params hold softmax_scale and softcap as float32: the largest float32 is 2**128 - 2**104, and a
+# value half a unit past it (2**103) rounds to infinity.
+FP32_OVERFLOW = 2.0**128 - 2.0**103
 KEYED_NUMBERS = (float, int)          # the number types the call cache keys on as given (see _key_forms)
 
 
@@ -102,11 +103,9 @@ def _real(name: str, value, expected: str) -> float:
 
 
 def _finite_in_fp32(x: float) -> bool:
-    """Whether x stays finite as the float32 the kernels' params hold."""
-    try:
-        return math.isfinite(FP32.unpack(FP32.pack(x))[0])
-    except OverflowError:  # beyond float32's range
-        return False
+    """Whether x stays finite as the float32 the kernels' params hold (arithmetic only, so torch.compile traces
+    it): rounding to nearest reaches infinity from FP32_OVERFLOW on."""
+    return abs(x) < FP32_OVERFLOW
 
 
 def _check_scale(softmax_scale) -> float:
