@@ -99,10 +99,34 @@ def test_gradcheck_through_flashtile_attention_in_fp64(shape, options):
         lambda q, k, v: flashtile.varlen_attention(q, k, v, cu_q, cu_k, sq, sk, **options), packed)
 
 
-def test_lse_is_returned_but_not_differentiable():
+@pytest.mark.parametrize("options", [{"causal": True}, {"softcap": 3.0, "window_size": (9, 4)}])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_lse_is_differentiable(options, compiled):
+    """A loss that uses the returned LSE gets its term: d lse_i / d s_ij = P_ij enters as D - dLSE."""
     q, k, v = _dense()
-    out, lse = flashtile.attention(q, k, v, return_lse=True)
-    assert out.requires_grad and not lse.requires_grad
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], generator=g)
+    dlse = torch.randn(q.shape[0], q.shape[2], q.shape[1], generator=g)
+
+    def loss(q, k, v):
+        out, lse = flashtile.attention(q, k, v, return_lse=True, **options)
+        return (out * dout).sum() + (lse * dlse).sum()
+
+    fn = torch.compile(loss, fullgraph=True, backend="aot_eager") if compiled else loss
+    grads = torch.autograd.grad(fn(q, k, v), (q, k, v))
+    result = compare_grads(q, k, v, dout, grads, dlse=dlse, **options)
+    assert result.ok, result
+    without = compare_grads(q, k, v, dout, grads, **options)
+    assert not without.ok  # the LSE's term is not negligible: dropping it would fail
+
+
+def test_a_loss_of_the_lse_alone():
+    q, k, v = _dense()
+    _, lse = flashtile.attention(q, k, v, return_lse=True, causal=True)
+    grads = torch.autograd.grad(lse.sum(), (q, k, v))
+    result = compare_grads(q, k, v, torch.zeros(*q.shape[:-1], v.shape[-1]), grads, dlse=torch.ones_like(lse),
+                           causal=True)
+    assert result.ok, result
 
 
 def test_no_grad_calls_skip_autograd():

@@ -106,8 +106,8 @@ def backward(problem: FwdProblem, out: torch.Tensor, lse: torch.Tensor, dout: to
                    alibi_slopes=problem.alibi_slopes)
     if problem.varlen:
         return reference.varlen_apply_backward(dout, q, k, v, out, lse, problem.cu_seqlens_q, problem.cu_seqlens_k,
-                                               **options)
-    return reference.attention_chunked_backward(dout, q, k, v, out, lse, **options)
+                                               dlse=dlse, **options)
+    return reference.attention_chunked_backward(dout, q, k, v, out, lse, dlse=dlse, **options)
 
 
 def _backward_kernels_serve(problem: FwdProblem) -> bool:

@@ -313,13 +313,15 @@ def _chunked_forward(q, k, v, *, causal, softmax_scale, window_size, softcap, al
 
 
 def _chunked_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                      query_chunk, key_chunk):
+                      query_chunk, key_chunk, dlse=None):
     """FlashAttention-2's backward in plain PyTorch: recompute each score block from the saved LSE, never
     store P. P and dS are exactly 0 where the mask hides a key, and the products that spread them over rows
     or keys read NaN/Inf vectors as 0, so a NaN reaches only the gradients that depend on it."""
     c = _Chunks(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes)
     dout_lines = _lines(dout, c.heads_kv, c.dtype)
     delta = _lines((dout.to(c.dtype) * out.to(c.dtype)).sum(dim=-1), c.heads_kv, c.dtype)  # rowsum(dO * O)
+    if dlse is not None:  # the loss uses the LSE too: d lse_i / d s_ij = P_ij, so dS = P (dP - D + dLSE)
+        delta.sub_(_lines(dlse.transpose(1, 2), c.heads_kv, c.dtype))
     lse = _lines(lse.transpose(1, 2), c.heads_kv, c.dtype).mul_(LOG2E)  # base 2, as the scores
     lse.masked_fill_(torch.isneginf(lse), float("inf"))  # a row that sees no key: P = exp2(s - inf) = 0
     q_finite, k_finite, v_finite = (_finite(x, _nonfinite_keys(x)) for x in (c.q, c.k, c.v))
@@ -376,18 +378,20 @@ def attention_chunked(q, k, v, *, causal=False, softmax_scale=None, window_size=
 
 def attention_chunked_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                                softcap=0.0, alibi_slopes=None, query_chunk=QUERY_CHUNK, key_chunk=KEY_CHUNK,
-                               torch_kernel=True):
+                               torch_kernel=True, dlse=None):
     """The CPU path's backward, on the kernel :func:`attention_chunked` chooses for the same arguments. `out`
     and `lse` are what a forward returned for these inputs and options; `dout` is the gradient of the loss
     with respect to `out`. Arithmetic is fp32 (fp64 for fp64 inputs). Returns ``(dq, dk, dv)`` shaped and
     typed like q, k, v and contiguous; with GQA dk and dv sum over the query heads that share a key/value head.
+    `dlse` (batch, heads_q, seqlen_q) is the gradient of the loss with respect to `lse`, if the loss uses it:
+    the chunked loop serves it (torch's kernel derives D from out alone).
     """
     left, right = effective_window(causal, window_size)
-    if torch_kernel and _torch_kernel_serves(q, k, v, left, right, softcap, alibi_slopes):
+    if torch_kernel and dlse is None and _torch_kernel_serves(q, k, v, left, right, softcap, alibi_slopes):
         return cpu_kernel.backward(dout, q, k, v, out, lse, _scale_of(softmax_scale, q), causal=right == 0)
     return _chunked_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                             query_chunk=query_chunk, key_chunk=key_chunk)
+                             query_chunk=query_chunk, key_chunk=key_chunk, dlse=dlse)
 
 
 def _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes):
@@ -413,7 +417,8 @@ def varlen_apply(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, **o
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
-def varlen_apply_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, **options):
+def varlen_apply_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, dlse=None,
+                          **options):
     """:func:`attention_chunked_backward` on each sequence of a packed varlen batch (see :func:`varlen_apply`).
 
     dout/q/out (total_q, heads_q, d), k/v (total_k, heads_kv, d), lse (heads_q, total_q); returns
@@ -422,6 +427,7 @@ def varlen_apply_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, a
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for sq, sk, slopes in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         grads = attention_chunked_backward(dout[sq][None], q[sq][None], k[sk][None], v[sk][None], out[sq][None],
-                                           lse[:, sq][None], alibi_slopes=slopes, **options)
+                                           lse[:, sq][None], alibi_slopes=slopes,
+                                           dlse=None if dlse is None else dlse[:, sq][None], **options)
         dq[sq], dk[sk], dv[sk] = (grad[0] for grad in grads)
     return dq, dk, dv
