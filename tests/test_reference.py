@@ -128,7 +128,8 @@ def test_torch_kernel_route_matches_reference(case, dtype, torch_kernel_calls):
 
 
 @pytest.mark.parametrize("options", [{"softcap": 5.0}, {"window_size": (9, -1)}, {"window_size": (-1, 3)},
-                                     {"alibi_slopes": torch.rand(2)}], ids=str)
+                                     {"alibi_slopes": torch.rand(2)}], ids=["softcap", "window-left", "window-right",
+                                                                           "alibi"])
 def test_what_torch_kernel_cannot_serve_takes_the_loop(options, torch_kernel_calls):
     q, k, v = (torch.randn(1, 20, 2, 8) for _ in range(3))
     attention_chunked(q, k, v, **options)
