@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile import api
 from flashtile.reference import attention_ref
 
 
@@ -315,3 +316,13 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_read():
     shifted = torch.randn(1, 8, 2, 17, dtype=torch.bfloat16)[..., 1:]    # base 2 bytes past alignment
     ready = dispatch.kernel_ready(shifted)
     assert ready.data_ptr() % 16 == 0 and torch.equal(ready, shifted)
+
+
+def test_the_call_signature_records_whether_gradients_are_wanted():
+    """A kept call answers one signature: a call that wants gradients never reuses an inference call's plan."""
+    q = torch.randn(1, 4, 2, 8)
+    leaf = q.clone().requires_grad_()
+    assert api._signature(q, q, q, ())[api._KEY_GRAD] is False
+    assert api._signature(leaf, q, q, ())[api._KEY_GRAD] is True
+    with torch.no_grad():
+        assert api._signature(leaf, q, q, ())[api._KEY_GRAD] is False

@@ -177,6 +177,9 @@ _calls: dict[tuple, dispatch.PlannedCall] = {}
 MAX_CALLS = 4096  # inference over ever-new shapes (e.g. a growing KV length) must not grow the cache forever
 
 
+_KEY_GRAD = 12  # the signature's field that says whether gradients are wanted
+
+
 def _signature(q, k, v, options: tuple) -> tuple | None:
     try:
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -229,7 +232,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
         key = _signature(q, k, v, (causal, softmax_scale, window_size, softcap, return_lse, deterministic, rung))
         call = _calls.get(key) if key is not None else None
         if call is not None and call.serves(q, k, v):
-            return _run(call, q, k, v, key[12], return_lse)
+            return _run(call, q, k, v, key[_KEY_GRAD], return_lse)
 
     _check_tensor("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
     _check_tensor("k", k, 4, "(batch, seqlen_k, heads_kv, head_dim)")

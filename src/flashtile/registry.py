@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from . import backward, ladder, specs
 from .family import Family, Variant
 
@@ -71,6 +69,3 @@ def all_specs(arch: str) -> list[specs.KernelSpec]:
                     break
     return list(found)
 
-
-def forward_dtypes() -> tuple[torch.dtype, ...]:
-    return tuple(dict.fromkeys(d for f in FAMILIES if f.direction == "fwd" for d in f.dtypes))
