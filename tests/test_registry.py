@@ -89,9 +89,9 @@ def test_no_family_names_every_reason():
 
 def test_reasons_are_asked_fastest_first_and_name_the_cause():
     answers = registry.reasons(_variant("fwd", 128, 128, "sm_90a", ("softcap",)))
-    assert [f.rung for f, _ in answers] == [4, 3, 2, 1, 0]
+    assert [f.rung for f, _ in answers] == [None, 4, 3, 2, 1, 0]
     why = dict((f.name, reason) for f, reason in answers)
-    assert why["pipelined"] is None
+    assert why["pipelined"] is None and "softcap" in why["decode"]
     assert "softcap" in why["mma"] and "softcap" in why["naive"]
 
 
@@ -110,7 +110,9 @@ def test_variant_of_a_problem():
     variant = Variant.of(problem, "fwd", "sm_90a")
     assert variant.features == {"softcap"}
     assert Variant.of(FwdProblem(q, k, v, 0.1, (7, 0)), "fwd", "sm_90a").features == {"window"}
-    assert (variant.head_dim, variant.head_dim_v, variant.shape) == (40, 24, "decode")
+    assert (variant.head_dim, variant.head_dim_v, variant.shape) == (40, 24, "prefill")
+    token = FwdProblem(q[:, :1], k, v, 0.1, (-1, 0))
+    assert Variant.of(token, "fwd", "sm_90a").shape == "decode"
     long = FwdProblem(torch.randn(2, 300, 4, 40), k, v, 0.1, (-1, -1))
     assert Variant.of(long, "bwd", "sm_80").shape == "prefill"
 
@@ -166,3 +168,33 @@ def test_suffixed_targets_find_their_capability_and_shared_memory(arch, capabili
     """The CLI accepts architecture- and family-specific targets: they run on, and size tiles for, their GPU."""
     assert specs.capability_of(arch) == capability
     assert specs.smem_limit(arch) == specs.smem_limit(specs.arch_of(capability))
+
+
+@pytest.mark.parametrize("arch, d, dv, features, family", [
+    ("sm_90a", 128, 128, (), "decode"),
+    ("sm_80", 64, 64, (), "decode"),
+    ("sm_90a", 128, 64, (), "pipelined"),                 # one head dim for q/k and v
+    ("sm_90a", 128, 128, ("window",), "pipelined"),
+    ("sm_90a", 128, 128, ("varlen",), "pipelined"),
+    ("sm_75", 64, 64, (), "tiled"),                       # mma.sync needs sm_80
+])
+def test_decode_family_choice(arch, d, dv, features, family):
+    """One query token per sequence goes to the decode family where it serves, with the others' reasons."""
+    chosen, spec = registry.choose(_variant("fwd", d, dv, arch, features, shape="decode"))
+    assert chosen.name == family
+    if family == "decode":
+        assert spec == registry.choose(_variant("fwd", d, dv, arch, features), "pipelined")[1]
+
+
+@pytest.mark.parametrize("batch, heads_kv, seqlen_k, splits", [
+    (64, 8, 32768, 1),       # 512 blocks already fill 132 SMs twice
+    (8, 8, 131072, 8),       # 64 blocks: split the cache in 8
+    (1, 8, 65536, 64),       # 8 blocks: 64 parts of 1024 keys
+    (1, 8, 3001, 1),         # an odd length has no equal parts
+    (128, 8, 4096, 1),
+    (2, 1, 4096, 4),         # parts of at least 1024 keys
+])
+def test_decode_splits_fill_the_gpu(batch, heads_kv, seqlen_k, splits):
+    from flashtile import decode
+
+    assert decode.choose_splits(batch, heads_kv, seqlen_k, sms=132) == splits

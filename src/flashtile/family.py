@@ -18,9 +18,9 @@ from . import specs
 from .forward import FwdProblem
 
 FEATURES = ("window", "softcap", "alibi", "varlen")
-# A call with at most this many query rows per sequence is a decode step (one new token, or a few drafted
-# ones): the shape class a decode family serves.
-DECODE_MAX_QUERIES = 16
+# A call with at most this many query rows per sequence is a decode step (one new token per sequence): the
+# shape class a decode family serves.
+DECODE_MAX_QUERIES = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,7 +64,7 @@ def _grid_plan(entry: str, block_m_define: str, threads_of):
     return plan
 
 
-def _pipelined_tile(variant: Variant) -> specs.Tile:
+def pipelined_tile(variant: Variant) -> specs.Tile:
     padded = max(specs.pick_padded(n, specs.FWD_HEAD_DIMS) for n in (variant.head_dim, variant.head_dim_v))
     return specs.fwd_tile(padded, variant.arch, variant.score_mods)
 
@@ -96,7 +96,7 @@ RUNGS: tuple[Family, ...] = (
            Serves(_TENSOR_CORE_DTYPES, max(specs.FWD_HEAD_DIMS), _ALL, _AMPERE),
            lambda v: specs.fwd_spec(v.dtype_name, v.head_dim, v.head_dim_v, v.arch,
                                     softcap="softcap" in v.features, alibi="alibi" in v.features),
-           _grid_plan("attn_fwd", "FT_BLOCK_M", lambda d: d["FT_WARPS"] * WARP), rung=4, tile=_pipelined_tile),
+           _grid_plan("attn_fwd", "FT_BLOCK_M", lambda d: d["FT_WARPS"] * WARP), rung=4, tile=pipelined_tile),
 )
 BY_NAME = {r.name: r for r in RUNGS}
 

@@ -1,18 +1,18 @@
 """The kernel registry: every kernel family, in the order they are asked, and the one place a kernel is chosen.
 
 For a :class:`~flashtile.family.Variant` the first family that serves it wins; each family that does not
-says why (``flashtile explain`` prints those reasons). Forward families are the ladder's rungs, fastest
-first; backward families follow. A new family (a decode kernel, an FP8 forward) is one entry here.
+says why (``flashtile explain`` prints those reasons). Forward families: decoding (one query token against a
+cache), then the ladder's rungs, fastest first; backward families follow. A new family is one entry here.
 """
 
 from __future__ import annotations
 
 import functools
 
-from . import backward, ladder, specs
+from . import backward, decode, ladder, specs
 from .family import Family, Variant
 
-FAMILIES: tuple[Family, ...] = (*reversed(ladder.RUNGS), *backward.FAMILIES)
+FAMILIES: tuple[Family, ...] = (decode.FAMILY, *reversed(ladder.RUNGS), *backward.FAMILIES)
 
 
 def reasons(variant: Variant) -> list[tuple[Family, str | None]]:

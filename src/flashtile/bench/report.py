@@ -122,6 +122,18 @@ def write_performance(docs_dir: Path) -> Path:
         sections += ["## The standard matrix (`flashtile bench`)", "",
                      f"Measured {doc['system']['date']} on {_system_line(doc['system'])}.", "",
                      matrix_markdown(doc), ""]
+    decode_json = docs_dir / RESULTS / "decode.json"
+    if decode_json.exists():
+        doc = json.loads(decode_json.read_text())
+        kernels = list(doc["rows"][0]["tbps"])
+        sections += ["## Decode (`scripts/bench_decode.py`)", "",
+                     f"Measured {doc['system']['date']} on {_system_line(doc['system'])}. One query token per "
+                     f"sequence against a contiguous cache, d{doc['head_dim']} {doc['dtype']}; effective TB/s = "
+                     "bytes of K and V read / time.", "",
+                     "| batch, cache, heads q/kv | " + " | ".join(kernels) + " |", "|---|" + "---:|" * len(kernels)]
+        sections += [f"| {r['batch']}, {r['cache'] // 1024}k, {r['heads_q']}/{r['heads_kv']} | "
+                     + " | ".join(_fmt(r["tbps"][k], ".2f") for k in kernels) + " |" for r in doc["rows"]]
+        sections.append("")
     overhead_json = docs_dir / RESULTS / "overhead.json"
     if overhead_json.exists():
         doc = json.loads(overhead_json.read_text())
