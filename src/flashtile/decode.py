@@ -117,9 +117,15 @@ def plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None
     return DecodePlan(BY_NAME["pipelined"].plan(reshaped, module), b, hkv, g, splits, problem.want_lse)
 
 
+def decode_tile(variant: Variant) -> specs.Tile:
+    padded = max(specs.pick_padded(n, specs.FWD_HEAD_DIMS) for n in (variant.head_dim, variant.head_dim_v))
+    tile = specs.DECODE_TILES_SM90.get(padded) if variant.arch == "sm_90a" else None
+    return tile or pipelined_tile(variant)
+
+
 FAMILY = Family(
     "decode", "fwd", "one query token against a long cache: a kv head's query heads as rows, the cache split "
     "along its length, the parts merged by their log-sum-exp (rung 4's kernel)",
     Serves((torch.float16, torch.bfloat16), max(specs.FWD_HEAD_DIMS), frozenset(), (8, 0), frozenset({"decode"}),
            extra=_why_not),
-    lambda v: specs.fwd_spec(v.dtype_name, v.head_dim, v.head_dim_v, v.arch), plan, tile=pipelined_tile)
+    lambda v: specs.decode_spec(v.dtype_name, v.head_dim, v.head_dim_v, v.arch), plan, tile=decode_tile)

@@ -267,6 +267,25 @@ def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: boo
                       fwd_smem(d, dv, tile), kv_maps=True)
 
 
+# Decoding (flashtile/decode.py) on Hopper: a block's query rows are a kv head's query heads (a GQA group, 1-64
+# rows), so 64 rows halve the tensor-core work of rung 4's 128 for the same K/V bytes; 128 keys per stage keep
+# 64 KB (d128) of the cache in flight per stage. No spills on sm_90a (193 and 208 registers).
+DECODE_TILES_SM90 = {
+    64: Tile(64, 128, 4, 2, 1, "a GQA group's rows: half of rung 4's mma work per key; 74 KB", tma=True),
+    128: Tile(64, 128, 4, 2, 1, "a GQA group's rows: half of rung 4's mma work per key; 144 KB", tma=True),
+}
+
+
+def decode_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str) -> KernelSpec:
+    """Rung 4's kernel as decoding runs it: its own tile on Hopper, rung 4's elsewhere."""
+    d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
+    tile = DECODE_TILES_SM90.get(max(d, dv)) if arch == "sm_90a" else None
+    if tile is None:
+        return fwd_spec(dtype, head_dim, head_dim_v, arch)
+    return KernelSpec(PIPELINED_SOURCE, ("attn_fwd",), dtype, arch, fwd_defines(d, dv, tile), fwd_smem(d, dv, tile),
+                      kv_maps=True)
+
+
 def kv_box_rows(spec: KernelSpec) -> int:
     """Rows of a K/V box for the tensor memory accelerator, or 0 where the build loads K/V with cp.async."""
     defines = dict(spec.defines)
