@@ -1,0 +1,192 @@
+"""Context parallelism: one sequence split over the ranks of a process group (ring attention).
+
+Each rank holds a shard of q, k and v along the sequence (`shard` / `unshard`). K and V travel round the ring by
+point-to-point sends; at every step a rank attends its queries to the key/value shard it holds with
+`flashtile.attention` (which returns the log-sum-exp), and the partial outputs merge in fp32 by their LSE. The
+sends are an autograd op whose backward sends the gradients back the other way, and the merge is ordinary torch
+arithmetic on differentiable outputs and LSEs, so autograd yields dQ, dK and dV on the ranks that own them.
+
+Layouts (how a sequence of n tokens is split over W ranks):
+  "contiguous": rank r holds tokens [r n / W, (r + 1) n / W).
+  "zigzag": the sequence is cut into 2W chunks and rank r holds chunks r and 2W - 1 - r, so that under a causal
+  mask every rank has the same work.
+Works with NCCL on GPUs and gloo on CPUs, for any number of ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import api
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def _world(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _chunks_of(rank: int, world: int, layout: str) -> tuple[int, ...]:
+    """The sequence chunks rank `rank` holds: of 2W chunks (zigzag) or W (contiguous)."""
+    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def shard(x: torch.Tensor, group=None, layout: str = "zigzag", seq_dim: int = 1) -> torch.Tensor:
+    """This rank's shard of a full sequence `x` (the same tensor on every rank), split along `seq_dim`."""
+    _check_layout(layout)
+    world, rank = _world(group)
+    parts = 2 * world if layout == "zigzag" else world
+    if x.shape[seq_dim] % parts:
+        raise ValueError(f"the sequence length ({x.shape[seq_dim]}) must be a multiple of {parts} to split over "
+                         f"{world} ranks in the {layout!r} layout")
+    chunks = x.chunk(parts, dim=seq_dim)
+    return torch.cat([chunks[c] for c in _chunks_of(rank, world, layout)], dim=seq_dim).contiguous()
+
+
+def unshard(x: torch.Tensor, group=None, layout: str = "zigzag", seq_dim: int = 1) -> torch.Tensor:
+    """The full sequence from every rank's shard `x` (the inverse of :func:`shard`), on every rank."""
+    _check_layout(layout)
+    world, _ = _world(group)
+    gathered = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(gathered, x.contiguous(), group=group)
+    per_rank = 2 if layout == "zigzag" else 1
+    chunks: dict[int, torch.Tensor] = {}
+    for rank, part in enumerate(gathered):
+        for c, piece in zip(_chunks_of(rank, world, layout), part.chunk(per_rank, dim=seq_dim)):
+            chunks[c] = piece
+    return torch.cat([chunks[c] for c in sorted(chunks)], dim=seq_dim)
+
+
+class _RingShift(torch.autograd.Function):
+    """Send a tensor to the next rank and receive the previous rank's; the backward sends gradients back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _exchange(x, group, step=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad.contiguous(), ctx.group, step=-1), None
+
+
+class _Reaching(torch.autograd.Function):
+    """`out` unchanged, with a gradient path to `held`: every rank's backward then reaches every ring shift, also
+    where its mask used none of the keys a shift brought (a causal contiguous layout), so that each shift's
+    backward exchange has its partner on the neighbouring ranks."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        ctx.held = (held.shape, held.dtype, held.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.held
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _exchange(x: torch.Tensor, group, step: int) -> torch.Tensor:
+    """Send x to rank + step, receive from rank - step (on the ring of `group`)."""
+    world, rank = _world(group)
+    received = torch.empty_like(x)
+
+    def peer(r: int) -> int:  # a rank of the group as the global rank P2P calls name
+        return r if group is None else dist.get_global_rank(group, r)
+
+    to, frm = peer((rank + step) % world), peer((rank - step) % world)
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        # Blocking calls in an order that cannot deadlock: even ranks send first, odd ranks receive first (gloo's
+        # batched point-to-point calls hung now and then in the 2- and 4-process tests).
+        if rank % 2 == 0:
+            dist.send(x.contiguous(), to, group)
+            dist.recv(received, frm, group)
+        else:
+            dist.recv(received, frm, group)
+            dist.send(x.contiguous(), to, group)
+        return received
+    ops = [dist.P2POp(dist.isend, x.contiguous(), to, group), dist.P2POp(dist.irecv, received, frm, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
+def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """o = sum_i exp(lse_i - lse) o_i and lse = logsumexp_i lse_i, in fp32; parts that saw no key (lse -inf)
+    add nothing. out (b, s, h, d), lse (b, h, s)."""
+    lse_all = torch.stack(lses)                                    # (parts, b, h, s)
+    lse = torch.logsumexp(lse_all, dim=0)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(lse_all - safe)                            # a row no part saw: every weight 0
+    out = sum(w.transpose(1, 2).unsqueeze(-1) * o.float() for w, o in zip(weights, outs))
+    return out, lse
+
+
+def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                   layout="zigzag", return_lse=False, deterministic=False):
+    """Attention of this rank's shard of queries over the whole sequence, which the ranks of `group` hold in
+    shards along dim 1 (see :func:`shard`).
+
+    Args:
+        q, k, v: this rank's shards, (batch, seqlen_local, heads, head_dim); heads_q a multiple of heads_kv.
+        causal, softmax_scale, softcap, deterministic: as in :func:`flashtile.attention`, for the whole sequence.
+        window_size: only (-1, -1) so far (a sliding window over shards needs bounds the kernels do not take).
+        layout: "zigzag" or "contiguous", as the shards were made.
+    Returns:
+        this rank's shard of the output (in q's dtype), and of the fp32 LSE (batch, heads, seqlen_local) if
+        ``return_lse``. Differentiable in q, k and v.
+    """
+    _check_layout(layout)
+    if tuple(window_size) != (-1, -1):
+        raise ValueError(f"ring_attention does not take a sliding window yet, got window_size={window_size!r}")
+    if not dist.is_initialized():
+        raise RuntimeError("ring_attention needs torch.distributed to be initialised (dist.init_process_group)")
+    world, rank = _world(group)
+    per_rank = 2 if layout == "zigzag" else 1
+    if q.shape[1] % per_rank or k.shape[1] != q.shape[1]:
+        raise ValueError(f"q, k and v must be shards of one layout: seqlen_local {q.shape[1]} and {k.shape[1]}; "
+                         f"the {layout!r} layout holds {per_rank} equal chunk(s) per rank")
+    chunk = q.shape[1] // per_rank
+    q_chunks = q.split(chunk, dim=1)
+    my_chunks = _chunks_of(rank, world, layout)
+    options = dict(softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic, return_lse=True)
+    outs: list[list] = [[] for _ in q_chunks]
+    lses: list[list] = [[] for _ in q_chunks]
+    kv = torch.cat([k, v], dim=-1)
+    head_dim = k.shape[-1]
+    for step in range(world):
+        owner = (rank - step) % world
+        k_held, v_held = kv[..., :head_dim], kv[..., head_dim:]
+        k_chunks, v_chunks = k_held.split(chunk, dim=1), v_held.split(chunk, dim=1)
+        for qi, qc in enumerate(my_chunks):
+            for ki, kc in enumerate(_chunks_of(owner, world, layout)):
+                window = _pair_window(qc, kc, causal)
+                if window is None:
+                    continue
+                o, lse = api.attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], window_size=window, **options)
+                outs[qi].append(o)
+                lses[qi].append(lse)
+        if step + 1 < world:
+            kv = _RingShift.apply(kv, group)
+    merged = [_merge(o, lse) for o, lse in zip(outs, lses)]
+    out = torch.cat([o for o, _ in merged], dim=1).to(q.dtype)
+    if world > 1:
+        out = _Reaching.apply(out, kv)
+    if not return_lse:
+        return out
+    return out, torch.cat([lse for _, lse in merged], dim=2)
+
+
+def _pair_window(q_chunk: int, k_chunk: int, causal: bool) -> tuple[int, int] | None:
+    """The window of q chunk `q_chunk` against k chunk `k_chunk` (equal lengths) under the whole sequence's mask:
+    every key before the queries' chunk (-1, -1), the diagonal chunk causal (-1, 0), None when the mask hides the
+    whole pair (a later chunk under the causal mask). Square chunks: bottom-right alignment is the diagonal."""
+    if not causal or q_chunk > k_chunk:
+        return (-1, -1)
+    return (-1, 0) if q_chunk == k_chunk else None
