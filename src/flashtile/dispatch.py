@@ -1,9 +1,9 @@
 """From a checked problem to the kernels that run it: operand alignment, the registry's choice, the plans, and
 the calls that api.py keeps per input signature.
 
-A :class:`PlannedCall` is a signature's forward plan (and, built on its first backward, its backward plan): a
-repeated call with the same shapes, strides, dtypes and options costs one lookup plus its launches, in training
-as in inference. :func:`forward` and :func:`backward` are the general path every other call takes (operands that
+A :class:`PlannedCall` is a signature's forward plan and, when the signature wants gradients, its backward plan
+(both built on the first call): a repeated call with the same shapes, strides, dtypes and options costs one lookup
+plus its launches, in training as in inference. :func:`forward` and :func:`backward` are the general path every other call takes (operands that
 must be padded or copied first, packed varlen batches, the CPU); the torch.library ops (ops.py) call them too.
 """
 
