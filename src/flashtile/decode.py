@@ -73,10 +73,7 @@ class DecodePlan:
     def run(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, out=None):
         """(out, lse) like rung 4's: out (batch, 1, heads_q, dv), lse (batch, heads_q, 1) if wanted."""
         b, hkv, g, s = self.batch, self.heads_kv, self.group, self.splits
-        rows = _rows(q, hkv)
-        if s > 1:
-            rows = rows.unsqueeze(1).expand(b, s, *rows.shape[1:]).reshape(b * s, *rows.shape[1:])
-        o_parts, lse_parts = self.inner.run(rows, _parts(k, s), _parts(v, s))
+        o_parts, lse_parts = self.inner.run(_rows(q, hkv, s), _parts(k, s), _parts(v, s))
         dv = o_parts.shape[-1]
         if s == 1:
             o_rows, lse_rows = o_parts, lse_parts
@@ -95,11 +92,15 @@ class DecodePlan:
         return o.to(q.dtype), lse
 
 
-def _rows(q: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """q (batch, 1, heads_q, d) as (batch, group, heads_kv, d): a kv head's query heads as its query rows."""
+def _rows(q: torch.Tensor, heads_kv: int, splits: int) -> torch.Tensor:
+    """q (batch, 1, heads_q, d) as (batch * splits, group, heads_kv, d): a kv head's query heads as its query rows
+    (a view), repeated for each part of the cache (a small copy, only when the cache is split)."""
     b, _, hq, d = q.shape
     g = hq // heads_kv
-    return q.as_strided((b, g, heads_kv, d), (q.stride(0), q.stride(2), g * q.stride(2), q.stride(3)))
+    rows = q.as_strided((b, g, heads_kv, d), (q.stride(0), q.stride(2), g * q.stride(2), q.stride(3)))
+    if splits == 1:
+        return rows
+    return rows.unsqueeze(1).expand(b, splits, g, heads_kv, d).reshape(b * splits, g, heads_kv, d)
 
 
 def plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None = None) -> DecodePlan:
@@ -109,10 +110,7 @@ def plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None
     splits = choose_splits(b, hkv, n, _sms(q.device.index))
     if _parts(k, splits) is None or _parts(v, splits) is None:
         splits = 1
-    rows = _rows(q, hkv)
-    if splits > 1:
-        rows = rows.unsqueeze(1).expand(b, splits, *rows.shape[1:]).reshape(b * splits, *rows.shape[1:])
-    reshaped = dataclasses.replace(problem, q=rows, k=_parts(k, splits), v=_parts(v, splits), window=(-1, -1),
+    reshaped = dataclasses.replace(problem, q=_rows(q, hkv, splits), k=_parts(k, splits), v=_parts(v, splits), window=(-1, -1),
                                    want_lse=problem.want_lse or splits > 1)
     return DecodePlan(BY_NAME["pipelined"].plan(reshaped, module), b, hkv, g, splits, problem.want_lse)
 
