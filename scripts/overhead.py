@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
-from flashtile import api, dispatch, launch, registry, tma
+from flashtile import api, dispatch, launch, ops
 from flashtile.bench import measure, report
 from flashtile.bench.system import describe
 from flashtile.forward import FwdProblem
+from flashtile.jit import cuda_module
 
 SHAPE = (1, 128, 8, 64)  # (batch, seqlen, heads, head_dim): the GPU time is negligible, the host's is all
 CALLS = 2000
@@ -56,23 +57,48 @@ def per_call_table() -> dict:
     return rows
 
 
+class _AllocatingCall:
+    """A call whose forward allocates what flashtile's does (out, lse) and launches nothing."""
+
+    def forward(self, q, k, v):
+        return torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+
+
 def pieces() -> dict:
-    """Each piece of flashtile's inference call timed alone, warm (the kernel of a TMA build: d128)."""
-    q, k, v = (torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    problem = FwdProblem(q, k, v, 0.125, (-1, -1))
-    family, spec = registry.choose(dispatch.variant_of(problem, "fwd"))
-    module = launch.load(spec, 0)
-    plan = family.plan(problem, module)
-    key = api._signature(q, k, v, (False, None, (-1, -1), 0.0, False, False, "auto"))
+    """Each piece of flashtile's calls at the table's shape, timed alone, warm."""
+    q, k, v = _leaves(True)
+    dout = torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16)
+    problem = FwdProblem(q, k, v, SHAPE[-1] ** -0.5, (-1, 0), want_lse=True)
+    call = dispatch.planned_call(problem, "auto", False, True)
+    plan = call.forward_plan
+    out, lse = plan.run(q, k, v)
+    options = (True, None, (-1, -1), 0.0, False, False, "auto")
+    key = api._signature(q, k, v, options)
+    driver = cuda_module("cuda.bindings.driver")
+    step, args = plan.launches[0], launch._params_buffer  # the buffer holds the last run's params: a real launch
+    argv = args.argv_address if plan.kv_box_rows is None else args.argv2_address
+    stream = torch.cuda.current_stream().cuda_stream
+    allocating = _AllocatingCall()
+
+    def one_launch():
+        driver.cuLaunchKernel(step.kernel.function, *step.grid, step.threads, 1, 1, step.smem, stream, argv, 0)
+
     return {
-        "flashtile.attention, no_grad (whole call)": lambda: flashtile.attention(q, k, v),
-        "api._signature": lambda: api._signature(q, k, v, (False, None, (-1, -1), 0.0, False, False, "auto")),
+        "flashtile.attention, no_grad (whole call)": lambda: _no_grad(flashtile.attention, q, k, v, causal=True),
+        "api._signature": lambda: api._signature(q, k, v, options),
         "the call cache's lookup": lambda: api._calls.get(key),
-        "FwdPlan.run (allocate, pack, launch)": lambda: plan.run(q, k, v),
-        "tma.kv_maps (two kept tensor maps)": lambda: tma.kv_maps(k, v, 64),
+        "FwdPlan.run (allocate out and lse, pack, launch)": lambda: plan.run(q, k, v),
+        "one launch (cuda.bindings' cuLaunchKernel)": one_launch,
+        "the autograd node over a call that only allocates": lambda: ops.attention(q, k, v, allocating),
+        "BwdPlan.run (allocate, pack, 3 launches)": lambda: call.backward(dout, q, k, v, out, lse),
         "torch.empty_like": lambda: torch.empty_like(q),
         "torch.add (a small torch op)": lambda: torch.add(q, q),
     }
+
+
+def _no_grad(fn, *args, **kwargs):
+    with torch.no_grad():
+        return fn(*args, **kwargs)
 
 
 def main() -> None:

@@ -118,3 +118,21 @@ def test_the_lse_of_a_varlen_batch_is_differentiable():
         return torch.cat([o[0] for o, _ in outs]), torch.cat([lse_[0] for _, lse_ in outs], dim=-1)
 
     assert compare_grads(q, k, v, dout, grads, fn=reference, dlse=dlse).ok
+
+
+def test_a_failed_launch_names_the_drivers_error():
+    """A launch the driver refuses (a grid of zero blocks) raises at once, naming the CUDA error; the next
+    launches are unaffected."""
+    from flashtile import dispatch, launch
+    from flashtile.forward import FwdProblem
+
+    q, k, v = (torch.randn(1, 64, 2, 64, device="cuda", dtype=BF16) for _ in range(3))
+    problem = FwdProblem(q, k, v, 0.125, (-1, -1))
+    family, module = dispatch.load(problem, "fwd")
+    plan = family.plan(problem, module)
+    broken = type(plan)(tuple(launch.Launch(s.kernel, (0, 1, 1), s.threads, s.smem) for s in plan.launches),
+                        plan.out_shape, plan.lse_shape, plan.scratch_floats, plan.tail, plan.kv_box_rows)
+    with pytest.raises(RuntimeError, match="cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE"):
+        broken.run(q, k, v)
+    out, _ = plan.run(q, k, v)
+    assert compare(q, k, v, out, None).ok

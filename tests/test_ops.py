@@ -136,6 +136,28 @@ def test_no_grad_calls_skip_autograd():
     assert out.grad_fn is None
 
 
+def test_a_backward_recorded_with_create_graph_refuses_a_second_backward():
+    """The first backward is the same with or without create_graph; differentiating it again is a clear error,
+    never a silently wrong (disconnected) second derivative."""
+    q, k, v = _dense()
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], requires_grad=True)  # so that the grads join the graph
+    plain = torch.autograd.grad(flashtile.attention(q, k, v, causal=True), (q, k, v), dout)
+    recorded = torch.autograd.grad(flashtile.attention(q, k, v, causal=True), (q, k, v), dout, create_graph=True)
+    for a, b in zip(plain, recorded):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert recorded[0].requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        recorded[0].sum().backward()
+
+
+def test_autograd_function_apply_serves_under_functorch():
+    """Under torch.func transforms flashtile's node takes autograd.Function.apply's full path: functorch asks
+    for a setup_context, and the error says so instead of a wrong gradient."""
+    q, k, v = (t.detach() for t in _dense())
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda q: flashtile.attention(q, k, v).sum())(q)
+
+
 def test_torch_compile_fullgraph_traces_forward_and_backward():
     q, k, v = _dense()
 

@@ -166,7 +166,7 @@ def _differentiable(q, k, v, rung) -> bool:
 
 
 def _run(call, q, k, v, grad: bool, return_lse: bool):
-    out, lse = ops.Attention.apply(q, k, v, call) if grad else call.forward(q, k, v)
+    out, lse = ops.attention(q, k, v, call) if grad else call.forward(q, k, v)
     return (out, lse) if return_lse else out
 
 

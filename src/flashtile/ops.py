@@ -2,8 +2,10 @@
 
 Eager calls that need gradients go through :class:`Attention`, a ``torch.autograd.Function`` over a call
 (dispatch.PlannedCall or dispatch.GeneralCall): its forward runs the call's forward and saves q, k, v, out and
-lse (no seqlen x seqlen matrix), its backward runs the call's backward. That costs what autograd costs and no
-more; torch.library's Python dispatch would add about a hundred microseconds per call.
+lse (no seqlen x seqlen matrix), its backward runs the call's backward. That costs what autograd's node costs and
+no more: :func:`attention` enters it through the C++ apply, and the backward wraps itself in
+``once_differentiable`` only when a graph of the backward is being recorded (``create_graph=True``), the one case
+where that wrapper does anything. torch.library's Python dispatch would add about a hundred microseconds a call.
 
 Under torch.compile the same work goes through ``torch.ops.flashtile.forward`` and ``torch.ops.flashtile.backward``:
 custom ops with fake (meta) implementations, so torch.compile traces through them without a graph break, joined
@@ -23,11 +25,11 @@ from torch.autograd.function import once_differentiable
 from . import dispatch
 from .forward import FwdProblem
 
-__all__ = ["Attention", "forward", "backward_op"]
+__all__ = ["Attention", "attention", "forward", "backward_op"]
 
 
 class Attention(torch.autograd.Function):
-    """(out, lse) of `call` on q, k, v, differentiable in q, k and v."""
+    """(out, lse) of `call` on q, k, v, differentiable in q, k and v. Call it through :func:`attention`."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, call) -> tuple[Tensor, Tensor]:
@@ -38,15 +40,33 @@ class Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None and dlse is None:
-            return None, None, None, None
-        if dout is None:  # only the log-sum-exp reached the loss
-            dout = torch.zeros_like(out)
-        dq, dk, dv = ctx.call.backward(dout, q, k, v, out, lse, dlse)
-        return dq, dk, dv, None
+        if torch.is_grad_enabled():  # backward(create_graph=True): gradients that refuse a second backward
+            return _once_differentiable_backward(ctx, dout, dlse)
+        return _backward_grads(ctx, dout, dlse)
+
+
+def _backward_grads(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None and dlse is None:
+        return None, None, None, None
+    if dout is None:  # only the log-sum-exp reached the loss
+        dout = torch.zeros_like(out)
+    dq, dk, dv = ctx.call.backward(dout, q, k, v, out, lse, dlse)
+    return dq, dk, dv, None
+
+
+_once_differentiable_backward = once_differentiable(_backward_grads)
+# autograd.Function.apply's Python layer (argument binding, functorch's checks) costs about as much as the node it
+# builds; outside functorch transforms (vmap, grad) the C++ apply it ends in serves alone.
+_apply = super(torch.autograd.Function, Attention).apply
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, call) -> tuple[Tensor, Tensor]:
+    """Attention.apply(q, k, v, call)."""
+    if torch._C._are_functorch_transforms_active():
+        return Attention.apply(q, k, v, call)
+    return _apply(q, k, v, call)
 
 
 def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple[int, ...]:
