@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's work, in calls that fit its 10-minute limit. Logs and results go to $OUT; a short
 # summary is printed last. Usage: scripts/gpu.sh MODE, where MODE is
-#   tests  every test, the sanitizers (memcheck, racecheck) and `flashtile check`
+#   tests  every test, the sanitizers (memcheck, racecheck, synccheck) and `flashtile check`
 #   bench  `flashtile bench ladder`, the standard matrix (training and inference forward, backward) and the host
 #          overhead beside sdpa-flash
 #   quick  the GPU kernel tests only;  tune  bench plus the tile sweeps of scripts/tune_*.py
@@ -31,6 +31,7 @@ if [ "$MODE" = tests ]; then
     step tests pytest.log python3 -m pytest -q -p no:cacheprovider $parallel tests --ignore=tests/test_compile_all.py
     step memcheck sanitizer.log compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python3 scripts/sanitize.py
     step racecheck racecheck.log compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize.py 2
+    step synccheck synccheck.log compute-sanitizer --tool synccheck --error-exitcode 1 python3 scripts/sanitize.py 4
     step check check.log python3 -m flashtile check
 elif [ "$MODE" = quick ]; then
     step tests pytest.log python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_forward_features_gpu.py tests/test_backward_gpu.py

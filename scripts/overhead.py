@@ -76,7 +76,7 @@ def pieces() -> dict:
     key = api._signature(q, k, v, options)
     driver = cuda_module("cuda.bindings.driver")
     step, args = plan.launches[0], launch._params_buffer  # the buffer holds the last run's params: a real launch
-    argv = args.argv_address if plan.kv_box_rows is None else args.argv2_address
+    argv = args.argv_address if plan.kv_box is None else args.argv2_address
     stream = torch.cuda.current_stream().cuda_stream
     allocating = _AllocatingCall()
 

@@ -16,6 +16,11 @@ for rung in ladder.RUNGS[first_rung:]:
             q = torch.randn(2, sq, 4, d, device="cuda", dtype=dtype)
             k = torch.randn(2, sk, 2, d, device="cuda", dtype=dtype)
             flashtile.attention(q, k, k, causal=causal, return_lse=True, rung=rung.name)
+# Rung 5 (Hopper) at its other head dim, with a window and GQA (its loop above covers d40/d64/d128).
+if torch.cuda.get_device_capability() == (9, 0):
+    q = torch.randn(2, 300, 4, 256, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 200, 2, 256, device="cuda", dtype=torch.bfloat16)
+    flashtile.attention(q, k, k, window_size=(70, 5), return_lse=True, rung="hopper")
 for d, dv in ((96, 96), (192, 128), (256, 256)):
     q = torch.randn(1, 70, 4, d, device="cuda", dtype=torch.float16)
     k = torch.randn(1, 90, 4, d, device="cuda", dtype=torch.float16)

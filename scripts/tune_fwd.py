@@ -29,7 +29,7 @@ SEQLENS = (1024, 4096, 16384)
 def spec_of(d, bm, bn, warps, stages, min_blocks, wide=0, tma=0):
     tile = specs.Tile(bm, bn, warps, stages, min_blocks, "candidate", bool(wide), bool(tma))
     return KernelSpec(specs.PIPELINED_SOURCE, ("attn_fwd",), "bf16", "sm_90a", specs.fwd_defines(d, d, tile),
-                      specs.fwd_smem(d, d, tile), kv_maps=True)
+                      specs.fwd_smem(d, d, tile), kv_maps=specs.fwd_kv_box(tile))
 
 
 def main(dims):

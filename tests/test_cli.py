@@ -2,7 +2,7 @@
 
 import pytest
 
-from flashtile import cli
+from flashtile import cli, specs
 
 
 def test_info_runs(capsys):
@@ -90,3 +90,14 @@ def test_cpu_ladder_shows_flashtile_beside_torchs_cpu_sdpa(tmp_path, capsys):
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") == 5}
     assert {"flashtile (cpu)", "chunked loop (cpu)", "sdpa-flash (cpu)", "sdpa-math (cpu)"} <= set(rows)
     assert rows["sdpa-flash (cpu)"].split("│")[4].strip() == "1.00×"
+
+
+@pytest.mark.parametrize("spec", [specs.naive_spec("bf16", "sm_80"),
+                                  specs.hopper_fwd_spec("bf16", 128, 128, specs.HOPPER_FWD_TILES[128])],
+                         ids=["one-argument", "tensor-maps"])
+def test_bench_ladder_times_a_cold_compile_in_a_fresh_process(spec, cache_dir):
+    """`bench ladder` rebuilds the top rung's spec from its repr in a new process (nothing warm there); every
+    field type of a spec must survive that (the Hopper rung's KvBox once did not)."""
+    from flashtile.bench import ladder as bench_ladder
+
+    assert bench_ladder._cold_compile_seconds(spec) > 0

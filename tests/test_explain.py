@@ -18,8 +18,8 @@ def _meta(b, sq, sk, hq, hkv, d, dv, dtype=torch.bfloat16):
 def test_hopper_call_names_its_kernels_tiles_and_bound():
     result = explain(*_meta(2, 1024, 1024, 8, 8, 128, 128), arch="sm_90a")
     fwd, bwd = result.directions
-    assert (fwd.family, bwd.family) == ("pipelined", "bwd-wgmma")
-    assert fwd.spec.source == "mma/fwd.cu" and bwd.spec.source == "wgmma/bwd.cu"
+    assert (fwd.family, bwd.family) == ("hopper", "bwd-wgmma")
+    assert fwd.spec.source == "wgmma/fwd.cu" and bwd.spec.source == "wgmma/bwd.cu"
     assert "why:" in fwd.tile and fwd.resources["attn_fwd"].spill_stores == 0
     assert fwd.flops == pytest.approx(measure.attention_flops(2, 8, 1024, 1024, 128))
     assert bwd.flops == pytest.approx(measure.attention_flops(2, 8, 1024, 1024, 128, backward=True))
@@ -27,7 +27,7 @@ def test_hopper_call_names_its_kernels_tiles_and_bound():
     assert fwd.bound_ms == pytest.approx(max(fwd.flops / machine.peak_flops, fwd.bytes / machine.bandwidth) * 1e3)
     assert fwd.measured_ms is None
     text = str(result)
-    assert "chosen  pipelined" in text and "bwd-grid:" in text and "roofline bound" in text
+    assert "chosen  hopper" in text and "bwd-grid:" in text and "roofline bound" in text
 
 
 def test_each_family_that_does_not_serve_says_why():

@@ -32,6 +32,27 @@ def test_pipelined_feature_combinations(case, poisoned_outputs):
     assert result.ok, f"{case}: {result}"
 
 
+# Rung 5 (Hopper) serves the masks, GQA and the LSE at head dims padding to 64, 128 or 256 alike; the registry routes
+# the rest to rung 4 (tests/test_registry.py).
+HOPPER_CASES = [c for c in feature_cases(HEAD_DIMS + [(104, 104)], SEQLENS)
+                if not ({"softcap", "alibi"} & set(c[8])) and c[5] == c[6] and (c[5] <= 64 or c[5] in (104, 128, 200, 256))]
+
+
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=[case_id(c) for c in HOPPER_CASES])
+def test_hopper_feature_combinations(case, poisoned_outputs):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("rung 'hopper' runs on sm_90a")
+    batch, sq, sk, hq, hkv, d, dv, dtype, features = case
+    torch.manual_seed(hash(str(case)) % 2**31)
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, hkv, dv, device="cuda", dtype=dtype)
+    options = feature_options(features, hq, batch)
+    out, lse = flashtile.attention(q, k, v, return_lse=True, rung="hopper", **options)
+    result = compare(q, k, v, out, lse, **options)
+    assert result.ok, f"{case}: {result}"
+
+
 VARLEN = [
     ([1, 63, 1000, 17], [1, 63, 1000, 17], {}),
     ([5, 300, 1], [700, 64, 3], {"causal": True}),

@@ -1,6 +1,7 @@
 """The kernel side of hardening on the GPU: NaN rows, batches past a grid's limit, cu_seqlens that lie, and the
 gradient of the returned log-sum-exp."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -130,8 +131,8 @@ def test_a_failed_launch_names_the_drivers_error():
     problem = FwdProblem(q, k, v, 0.125, (-1, -1))
     family, module = dispatch.load(problem, "fwd")
     plan = family.plan(problem, module)
-    broken = type(plan)(tuple(launch.Launch(s.kernel, (0, 1, 1), s.threads, s.smem) for s in plan.launches),
-                        plan.out_shape, plan.lse_shape, plan.scratch_floats, plan.tail, plan.kv_box_rows)
+    broken = dataclasses.replace(plan, launches=tuple(launch.Launch(s.kernel, (0, 1, 1), s.threads, s.smem)
+                                                      for s in plan.launches))
     with pytest.raises(RuntimeError, match="cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE"):
         broken.run(q, k, v)
     out, _ = plan.run(q, k, v)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import flashtile
-from flashtile import ladder
+from flashtile import dispatch, ladder
+from flashtile.forward import FwdProblem, default_scale
 from flashtile.testing import compare
 
 pytestmark = pytest.mark.gpu  # skipped where no CUDA device exists (conftest.py)
@@ -38,6 +39,14 @@ SHAPES = [
 ]
 
 
+def skip_unless_served(rung: str, q, k, v, window=(-1, -1)) -> None:
+    """Skip where the registry says the rung does not serve these inputs on this GPU (its reason as the skip's)."""
+    problem = FwdProblem(q, k, v, default_scale(q.shape[-1]), window)
+    why_not = ladder.get(rung).unsupported(dispatch.variant_of(problem, "fwd"))
+    if why_not:
+        pytest.skip(why_not)
+
+
 def make_inputs(shape, dtype, seed):
     batch, sq, sk, hq, hkv, d, dv, _ = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -51,11 +60,9 @@ def make_inputs(shape, dtype, seed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_rung_matches_reference(rung, dtype, shape, poisoned_outputs):
-    r = ladder.get(rung)
-    if dtype not in r.dtypes or max(shape[5], shape[6]) > r.max_head_dim:
-        pytest.skip(f"rung {rung} does not serve {dtype} / head_dim {shape[5]}")
     q, k, v = make_inputs(shape, dtype, seed=hash((rung, str(dtype), shape)) % 2**31)
     causal = shape[-1]
+    skip_unless_served(rung, q, k, v, (-1, 0) if causal else (-1, -1))
     out, lse = flashtile.attention(q, k, v, causal=causal, return_lse=True, rung=rung)
     torch.cuda.synchronize()
     result = compare(q, k, v, out, lse, causal=causal)
@@ -69,6 +76,7 @@ def test_rung_window_gqa_and_strided_inputs(rung, poisoned_outputs):
     q = big[:, :, :, 0]                  # (2, 300, 8, 64), row stride 8 * 3 * 64
     k = big[:, :257, ::4, 1]             # heads 0 and 4 -> 2 kv heads
     v = big[:, :257, 1::4, 2]
+    skip_unless_served(rung, q, k, v, (32, 0))
     for window in [(32, 0), (16, 8), (-1, 5)]:
         out, lse = flashtile.attention(q, k, v, window_size=window, return_lse=True, rung=rung)
         result = compare(q, k, v, out, lse, window_size=window)
@@ -87,8 +95,10 @@ def test_misaligned_storage_offset_is_handled(poisoned_outputs):
 
 def test_auto_picks_the_top_rung_that_serves():
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    variant = dispatch.variant_of(FwdProblem(q, q, q, 0.125, (-1, -1)), "fwd")
+    top = next(r for r in reversed(ladder.RUNGS) if r.unsupported(variant) is None)
     out_auto = flashtile.attention(q, q, q)
-    out_top = flashtile.attention(q, q, q, rung=ladder.RUNGS[-1].name)
+    out_top = flashtile.attention(q, q, q, rung=top.name)
     assert torch.equal(out_auto, out_top)
 
 

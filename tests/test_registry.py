@@ -42,7 +42,9 @@ def test_backward_family_choice(arch, d, dv, features, family, source):
 
 
 @pytest.mark.parametrize("arch, d, dtype, features, rung", [
-    ("sm_90a", 128, BF16, (), "pipelined"),
+    ("sm_90a", 128, BF16, (), "hopper"),
+    ("sm_90a", 128, BF16, ("varlen",), "pipelined"),   # rung 5 leaves varlen to rung 4
+    ("sm_80", 128, BF16, (), "pipelined"),
     ("sm_80", 256, torch.float16, ("softcap", "alibi", "varlen"), "pipelined"),
     ("sm_90a", 64, torch.float32, (), "tiled"),          # fp32: the tensor-core rungs take 16-bit types only
     ("sm_90a", 256, torch.float32, (), "fused"),         # rung 2 stops at head dim 128
@@ -71,7 +73,7 @@ def test_blackwell_runs_the_mma_sync_kernels(arch, d, dv, features):
     backwards, in tiles that fit; Hopper's wgmma backward and TMA-fed ring are never chosen."""
     forward, fwd_spec = registry.choose(_variant("fwd", d, dv, arch, features))
     assert forward.name == "pipelined" and fwd_spec.source == specs.PIPELINED_SOURCE
-    assert specs.kv_box_rows(fwd_spec) == 0
+    assert fwd_spec.kv_maps.rows == 0
     backward_family, bwd_spec = registry.choose(_variant("bwd", d, dv, arch, features))
     assert backward_family.name in ("bwd-grid", "bwd-mma") and not bwd_spec.source.startswith("wgmma/")
     assert fwd_spec.arch == bwd_spec.arch == arch
@@ -89,9 +91,9 @@ def test_no_family_names_every_reason():
 
 def test_reasons_are_asked_fastest_first_and_name_the_cause():
     answers = registry.reasons(_variant("fwd", 128, 128, "sm_90a", ("softcap",)))
-    assert [f.rung for f, _ in answers] == [None, 4, 3, 2, 1, 0]
+    assert [f.rung for f, _ in answers] == [None, 5, 4, 3, 2, 1, 0]
     why = dict((f.name, reason) for f, reason in answers)
-    assert why["pipelined"] is None and "softcap" in why["decode"]
+    assert why["pipelined"] is None and "softcap" in why["decode"] and "softcap" in why["hopper"]
     assert "softcap" in why["mma"] and "softcap" in why["naive"]
 
 
@@ -125,14 +127,34 @@ def test_variant_of_a_problem():
     ("sm_90a", 128, 128, ("softcap",), False),
     ("sm_80", 128, 128, (), False),                   # no tensor memory accelerator before Hopper
 ])
-def test_forward_kv_loads(arch, d, dv, features, tma):
-    """The forward's K/V ring is fed by TMA on Hopper's d64/d128 tiles and by cp.async everywhere else. Every rung-4
-    build declares the tensor maps as its second argument (empty ones for cp.async); the lower rungs take none."""
-    _, spec = registry.choose(_variant("fwd", d, dv, arch, features))
-    assert spec.kv_maps
-    assert specs.kv_box_rows(spec) == (dict(spec.defines)["FT_BLOCK_N"] if tma else 0)
+def test_pipelined_kv_loads(arch, d, dv, features, tma):
+    """Rung 4's K/V ring is fed by TMA on Hopper's d64/d128 tiles (64-byte swizzle boxes of the ring's tile) and by
+    cp.async everywhere else. Every rung-4 build declares the tensor maps as its second argument (empty ones for
+    cp.async); the lower rungs take none."""
+    spec = registry.choose(_variant("fwd", d, dv, arch, features), "pipelined")[1]
+    assert spec.kv_maps == specs.KvBox(dict(spec.defines)["FT_BLOCK_N"] if tma else 0, 32)
     if d <= max(specs.MMA_HEAD_DIMS):
-        assert not registry.choose(_variant("fwd", d, dv, arch), "mma")[1].kv_maps
+        assert registry.choose(_variant("fwd", d, dv, arch), "mma")[1].kv_maps is None
+
+
+@pytest.mark.parametrize("d, dv, rung", [(64, 64, "hopper"), (128, 128, "hopper"), (104, 104, "hopper"),
+                                         (256, 256, "hopper"), (200, 256, "hopper"), (96, 96, "pipelined"),
+                                         (192, 192, "pipelined"), (128, 64, "pipelined")])
+def test_hopper_rung_serves_its_head_dims(d, dv, rung):
+    """Rung 5 serves head dims that pad alike to 64, 128 or 256 on sm_90a, with its K/V maps in 128-byte swizzle
+    boxes of its key tile; rung 4 keeps the others, and every feature rung 5 leaves, with the reason named."""
+    family, spec = registry.choose(_variant("fwd", d, dv, "sm_90a"))
+    assert family.name == rung
+    if rung == "hopper":
+        assert spec.source == "wgmma/fwd.cu" and spec.kv_maps == specs.KvBox(dict(spec.defines)["FT_BLOCK_N"], 64)
+    else:
+        assert "pad alike" in ladder.get("hopper").unsupported(_variant("fwd", d, dv, "sm_90a"))
+    for features in (("varlen",), ("softcap",), ("alibi",)):
+        family, _ = registry.choose(_variant("fwd", 128, 128, "sm_90a", features))
+        assert family.name == "pipelined"
+        assert features[0] in ladder.get("hopper").unsupported(_variant("fwd", 128, 128, "sm_90a", features))
+    for arch in ("sm_80", "sm_100"):
+        assert arch in ladder.get("hopper").unsupported(_variant("fwd", 128, 128, arch))
 
 
 def test_all_specs_cover_what_each_family_compiles():
@@ -140,9 +162,9 @@ def test_all_specs_cover_what_each_family_compiles():
     assert len(found) == len(set(found))
     sources = {s.source for s in found}
     assert {"ladder/r0_naive.cu", "ladder/r1_fused.cu", "ladder/r2_tiled.cu", "ladder/r3_mma.cu", "mma/fwd.cu",
-            "mma/bwd.cu", "mma/bwd_grid.cu", "wgmma/bwd.cu"} <= sources
+            "mma/bwd.cu", "mma/bwd_grid.cu", "wgmma/bwd.cu", "wgmma/fwd.cu"} <= sources
     for arch in ("sm_80", "sm_100", "sm_120"):
-        assert not any(s.source.startswith("wgmma/") or specs.kv_box_rows(s) for s in registry.all_specs(arch))
+        assert not any(s.source.startswith("wgmma/") or (s.kv_maps and s.kv_maps.rows) for s in registry.all_specs(arch))
 
 
 def test_geometry_constants_reach_the_kernels_as_defines():
@@ -174,7 +196,7 @@ def test_suffixed_targets_find_their_capability_and_shared_memory(arch, capabili
     ("sm_90a", 128, 128, (), "decode"),
     ("sm_80", 64, 64, (), "decode"),
     ("sm_90a", 128, 64, (), "pipelined"),                 # one head dim for q/k and v
-    ("sm_90a", 128, 128, ("window",), "pipelined"),
+    ("sm_90a", 128, 128, ("window",), "hopper"),
     ("sm_90a", 128, 128, ("varlen",), "pipelined"),
     ("sm_75", 64, 64, (), "tiled"),                       # mma.sync needs sm_80
 ])

@@ -30,8 +30,9 @@ def _arch(text: str) -> str:
 
 
 def cmd_info(args) -> int:
-    from . import jit, ladder
+    from . import jit, ladder, specs
     from .bench.system import describe
+    from .family import Variant
 
     facts = describe()
     for key, value in facts.items():
@@ -39,7 +40,8 @@ def cmd_info(args) -> int:
     print(f"{'cache dir':>14}: {jit.cache_dir()}")
     if torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
-        runnable = [f"{r.number} {r.name}" for r in ladder.RUNGS if capability >= r.min_capability]
+        variant = Variant("fwd", torch.bfloat16, 64, 64, frozenset(), specs.arch_of(capability))
+        runnable = [f"{r.number} {r.name}" for r in ladder.RUNGS if r.unsupported(variant) is None]
         print(f"{'rungs here':>14}: {', '.join(runnable)}")
     else:
         print(f"{'rungs here':>14}: none (no CUDA device); CPU tensors use the chunked PyTorch path")
@@ -53,7 +55,8 @@ def _check_cases():
 
 
 def cmd_check(args) -> int:
-    from . import api, ladder
+    from . import api, dispatch, ladder
+    from .forward import FwdProblem
     from .testing import compare
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,6 +76,9 @@ def cmd_check(args) -> int:
                 k = torch.randn(b, sk, hkv, d, device=device, generator=gen).to(dtype)
                 v = torch.randn(b, sk, hkv, d, device=device, generator=gen).to(dtype)
                 name = rung.name if rung else "auto"
+                if rung is not None and rung.unsupported(dispatch.variant_of(
+                        FwdProblem(q, k, v, d**-0.5, (-1, 0) if causal else (-1, -1)), "fwd")):
+                    continue
                 out, lse = api.attention(q, k, v, causal=causal, return_lse=True, rung=name)
                 result = compare(q, k, v, out, lse, causal=causal)
                 failures += not result.ok

@@ -31,12 +31,12 @@ def _padded_dims(variant: Variant) -> int:
 
 
 def fwd_plan(problem: FwdProblem, launches: tuple[Launch, ...], scratch_floats: int = 0,
-             kv_box_rows: int | None = None, outputs: tuple | None = None) -> plans.FwdPlan:
+             kv_box: specs.KvBox | None = None, outputs: tuple | None = None) -> plans.FwdPlan:
     """The plan of `launches` over `problem`: the params after the addresses are computed here, once, for
     outputs laid out as `outputs` (default: as plans.empty_outputs allocates them)."""
     o, lse = outputs or plans.empty_outputs(problem.q, problem.out_shape(), problem.lse_shape())
     return plans.FwdPlan(launches, problem.out_shape(), problem.lse_shape(), scratch_floats,
-                         problem.params(o, lse)[plans.ADDRESS_FIELDS:], kv_box_rows)
+                         problem.params(o, lse)[plans.ADDRESS_FIELDS:], kv_box)
 
 
 def _naive_plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None = None) -> plans.FwdPlan:
@@ -59,14 +59,32 @@ def _grid_plan(entry: str, block_m_define: str, threads_of):
         defines = dict(spec.defines)
         grid = (-(-problem.seqlen_q // defines[block_m_define]), problem.heads_q, problem.batch)
         step = Launch(module.kernels[entry], grid, threads_of(defines), spec.smem_bytes)
-        return fwd_plan(problem, (step,), kv_box_rows=specs.kv_box_rows(spec) if spec.kv_maps else None,
-                        outputs=outputs)
+        return fwd_plan(problem, (step,), kv_box=spec.kv_maps, outputs=outputs)
     return plan
 
 
 def pipelined_tile(variant: Variant) -> specs.Tile:
     padded = max(specs.pick_padded(n, specs.FWD_HEAD_DIMS) for n in (variant.head_dim, variant.head_dim_v))
     return specs.fwd_tile(padded, variant.arch, variant.score_mods)
+
+
+def _hopper_dims(variant: Variant) -> tuple[int, int]:
+    return (specs.pick_padded(variant.head_dim, specs.FWD_HEAD_DIMS),
+            specs.pick_padded(variant.head_dim_v, specs.FWD_HEAD_DIMS))
+
+
+def hopper_tile(variant: Variant) -> specs.HopperFwdTile | None:
+    return specs.hopper_fwd_tile(*_hopper_dims(variant), variant.arch)
+
+
+def _hopper_why_not(variant: Variant) -> str | None:
+    if variant.arch != "sm_90a":
+        return (f"rung 'hopper' runs on Hopper (sm_90a) only, not {variant.arch}: wgmma, setmaxnreg and the tensor "
+                "memory accelerator")
+    if hopper_tile(variant) is None:
+        return (f"rung 'hopper' serves q/k and v head dims that pad alike to one of {sorted(specs.HOPPER_FWD_TILES)}, "
+                f"not {_hopper_dims(variant)}")
+    return None
 
 
 _CUDA_CORE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -97,6 +115,12 @@ RUNGS: tuple[Family, ...] = (
            lambda v: specs.fwd_spec(v.dtype_name, v.head_dim, v.head_dim_v, v.arch,
                                     softcap="softcap" in v.features, alibi="alibi" in v.features),
            _grid_plan("attn_fwd", "FT_BLOCK_M", lambda d: d["FT_WARPS"] * WARP), rung=4, tile=pipelined_tile),
+    Family("hopper", "fwd", "warp specialisation: a TMA producer warp feeds wgmma consumer warpgroups, registers moved "
+           "to them by setmaxnreg",
+           Serves(_TENSOR_CORE_DTYPES, max(specs.HOPPER_FWD_TILES), _BASIC, (9, 0), extra=_hopper_why_not),
+           lambda v: specs.hopper_fwd_spec(v.dtype_name, *_hopper_dims(v), hopper_tile(v)),
+           _grid_plan("attn_fwd", "FT_BLOCK_M", lambda d: (1 + d["FT_BLOCK_M"] // specs.WGMMA_M) * specs.WARPGROUP_THREADS),
+           rung=5, tile=hopper_tile),
 )
 BY_NAME = {r.name: r for r in RUNGS}
 

@@ -131,7 +131,7 @@ def load(spec: KernelSpec, device: int) -> LoadedModule:
             handle = code.get_kernel(entry).handle
             if not isinstance(handle, driver.CUfunction):  # a library kernel: take its function in this context
                 handle = _check(driver.cuKernelGetFunction(handle), f"cuKernelGetFunction({entry})")
-            kernels[entry] = LoadedKernel(handle, device, extra_bytes=EXTRA_BYTES if spec.kv_maps else 0)
+            kernels[entry] = LoadedKernel(handle, device, extra_bytes=EXTRA_BYTES if spec.kv_maps is not None else 0)
     loaded = _loaded[key] = LoadedModule(spec, code, kernels)
     return loaded
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import launch, tma
+from .specs import KvBox
 
 # The first ADDRESS_FIELDS of AttnParams are the tensors' addresses; everything after them is fixed by shapes,
 # strides and options. BwdParams appends BWD_ADDRESS_FIELDS more addresses, then its strides.
@@ -49,7 +50,7 @@ class FwdPlan:
     lse_shape: tuple[int, ...] | None   # None: no LSE wanted
     scratch_floats: int                 # fp32 scratch the kernels share (rung 0's scores); 0: none
     tail: tuple                         # the params after the address fields
-    kv_box_rows: int | None             # None: one kernel argument; else tma.kernel_argument's box rows
+    kv_box: KvBox | None                # the K/V tensor maps' box (tma.kernel_argument); None: one argument
     # K's and V's tensor maps by address: the plan fixes everything else a map describes.
     maps: dict[tuple[int, int], bytes] = field(default_factory=dict, compare=False)
 
@@ -66,12 +67,12 @@ class FwdPlan:
         else:
             addresses += (_address(cu_seqlens_q), _address(cu_seqlens_k), _address(alibi_slopes))
         extra = None
-        if self.kv_box_rows is not None:
+        if self.kv_box is not None:
             extra = self.maps.get(addresses[1:3])
             if extra is None:
                 if len(self.maps) >= MAX_KEPT_MAPS:
                     self.maps.clear()
-                extra = self.maps[addresses[1:3]] = tma.kernel_argument(k, v, self.kv_box_rows)
+                extra = self.maps[addresses[1:3]] = tma.kernel_argument(k, v, self.kv_box)
         launch.run(self.launches, addresses + self.tail, launch.PARAMS_STRUCT, extra)
         return o, lse
 

@@ -23,6 +23,15 @@ TEST_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120")
 
 
 @dataclass(frozen=True)
+class KvBox:
+    """The box of the K and V tensor maps a kernel takes as its second argument (flashtile/tma.py encodes them,
+    common/tma.cuh's KvMaps receives them)."""
+
+    rows: int   # keys per box; 0: this build loads K and V with cp.async and the maps are zeros
+    cols: int   # elements per box row, one swizzle block: 32 (64-byte swizzle) or 64 (128-byte swizzle)
+
+
+@dataclass(frozen=True)
 class KernelSpec:
     source: str                          # path under flashtile/kernels/, e.g. "ladder/r2_tiled.cu"
     entries: tuple[str, ...]             # extern "C" kernel names in that file
@@ -30,7 +39,7 @@ class KernelSpec:
     arch: str                            # "sm_80", "sm_90a", ...
     defines: tuple[tuple[str, int], ...] = ()
     smem_bytes: int = 0                  # dynamic shared memory per block (= sizeof(SharedStorage), tested)
-    kv_maps: bool = False                # the kernels take a second argument: K's and V's tensor maps (tma.py)
+    kv_maps: KvBox | None = None         # the kernels' second argument: K's and V's tensor maps; None: none
 
     @property
     def name(self) -> str:
@@ -244,6 +253,8 @@ def fwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> Tile:
 
 PIPELINED_SOURCE = "mma/fwd.cu"
 MBARRIER_BYTES = 8
+SWIZZLE_ATOM_BYTES = 1024  # the 128-byte swizzle's period: 8 rows of 128 bytes
+WGMMA_M = 64               # rows of a warpgroup product
 
 
 def fwd_smem(d: int, dv: int, tile: Tile) -> int:
@@ -259,12 +270,20 @@ def fwd_defines(d: int, dv: int, tile: Tile, softcap: bool = False, alibi: bool 
             ("FT_TMA_KV", int(tile.tma)))
 
 
+NARROW_BOX_COLS = 32  # rung 4's K/V boxes: one 64-byte swizzle block of common/tile.cuh's narrow layout
+
+
+def fwd_kv_box(tile: Tile) -> KvBox:
+    """Rung 4's K/V maps: boxes of the ring's tiles where TMA feeds it, zeros where cp.async does."""
+    return KvBox(tile.block_n if tile.tma else 0, NARROW_BOX_COLS)
+
+
 def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,
              alibi: bool = False) -> KernelSpec:
     d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
     tile = fwd_tile(max(d, dv), arch, softcap or alibi)
     return KernelSpec(PIPELINED_SOURCE, ("attn_fwd",), dtype, arch, fwd_defines(d, dv, tile, softcap, alibi),
-                      fwd_smem(d, dv, tile), kv_maps=True)
+                      fwd_smem(d, dv, tile), kv_maps=fwd_kv_box(tile))
 
 
 # Decoding (flashtile/decode.py) on Hopper: a block's query rows are a kv head's query heads (a GQA group, 1-64
@@ -283,13 +302,70 @@ def decode_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str) -> Kernel
     if tile is None:
         return fwd_spec(dtype, head_dim, head_dim_v, arch)
     return KernelSpec(PIPELINED_SOURCE, ("attn_fwd",), dtype, arch, fwd_defines(d, dv, tile), fwd_smem(d, dv, tile),
-                      kv_maps=True)
+                      kv_maps=fwd_kv_box(tile))
 
 
-def kv_box_rows(spec: KernelSpec) -> int:
-    """Rows of a K/V box for the tensor memory accelerator, or 0 where the build loads K/V with cp.async."""
-    defines = dict(spec.defines)
-    return defines["FT_BLOCK_N"] if defines.get("FT_TMA_KV") else 0
+# ---------------------------------------------------------------------------------------------------
+# Rung 5, the Hopper forward (kernels/wgmma/fwd.cu): a producer warpgroup whose one thread feeds K and V through
+# the tensor memory accelerator, and consumer warpgroups of 64 query rows each computing on wgmma. Tiles in
+# 128-byte swizzle blocks (the layout wgmma's descriptors read, and the one a TMA box of 64 columns writes); the
+# shared storage is aligned to the swizzle's 1024-byte period. Registers: 64K per SM at one block, moved by
+# setmaxnreg from the producer (24 per thread) to the consumers.
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HopperFwdTile:
+    block_m: int   # 64 query rows per consumer warpgroup
+    block_n: int
+    stages: int
+    why: str
+    pingpong: bool = True  # the consumers take turns issuing their products
+
+    @property
+    def consumers(self) -> int:
+        return self.block_m // WGMMA_M
+
+    @property
+    def threads(self) -> int:
+        return (1 + self.consumers) * WARPGROUP_THREADS
+
+
+WARPGROUP_THREADS = 128
+WIDE_BOX_COLS = 64             # one 128-byte swizzle block of 16-bit elements
+PRODUCER_REGISTERS = 24        # the producer holds a few addresses and counters
+# A consumer's registers: what 64K per SM leaves after the producer warpgroup's 128 x 24, rounded down to 8.
+CONSUMER_REGISTERS = {2: 240, 3: 160}
+HOPPER_FWD_TILES = {
+    64: HopperFwdTile(192, 128, 3, "three consumers (S 64 + O 32 + P 32 registers fit 160): more rows per K/V "
+                                   "tile read; three stages beat two and four; 121 KB"),
+    128: HopperFwdTile(128, 128, 2, "two consumers of 240 registers: S 64 + O 64 + P 32; two stages level with "
+                                    "three once K and V free their slots apart; 161 KB"),
+    256: HopperFwdTile(128, 64, 2, "two consumers: O 128 + S 32 + P 16 registers; a 128-key tile would need "
+                                   "S 64 more; 193 KB, so two stages"),
+}
+
+
+def hopper_fwd_tile(d: int, dv: int, arch: str) -> HopperFwdTile | None:
+    """Rung 5's tile for padded head dims, or None where it does not serve (off Hopper, dims unlike)."""
+    if arch != "sm_90a" or d != dv:
+        return None
+    return HOPPER_FWD_TILES.get(d)
+
+
+def hopper_fwd_smem(d: int, dv: int, tile: HopperFwdTile) -> int:
+    """Q (later O) per consumer, the K/V stages, four mbarriers per stage; a multiple of the swizzle atom."""
+    tiles = tile.block_m * d + tile.stages * tile.block_n * (d + dv)
+    storage = tiles * ELEM_BYTES + 4 * tile.stages * MBARRIER_BYTES
+    return -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
+
+
+def hopper_fwd_spec(dtype: str, d: int, dv: int, tile: HopperFwdTile) -> KernelSpec:
+    defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", tile.block_m), ("FT_BLOCK_N", tile.block_n),
+               ("FT_STAGES", tile.stages), ("FT_PINGPONG", int(tile.pingpong)), ("FT_PRODUCER_REGISTERS", PRODUCER_REGISTERS),
+               ("FT_CONSUMER_REGISTERS", CONSUMER_REGISTERS[tile.consumers]))
+    return KernelSpec("wgmma/fwd.cu", ("attn_fwd",), dtype, "sm_90a", defines, hopper_fwd_smem(d, dv, tile),
+                      kv_maps=KvBox(tile.block_n, WIDE_BOX_COLS))
 
 
 # The backward's two row kernels (preprocess: D = rowsum(dO * O) and the base-2 LSE; the dQ conversion): one
@@ -434,8 +510,6 @@ class BwdWgmmaTile:
     warps: int = 8  # two warpgroups
 
 
-SWIZZLE_ATOM_BYTES = 1024
-WGMMA_M = 64  # rows of a warpgroup product: a warpgroup's keys
 BWD_WGMMA_TILES = {
     64: BwdWgmmaTile(128, 128, 2, "keys split, dQ split by rows (64 queries per warpgroup); 130 KB. Faster than "
                                   "sdpa-flash and bwd.cu"),

@@ -1,10 +1,11 @@
-"""Tensor maps for Hopper's tensor memory accelerator: how rung 4 feeds its K/V ring on sm_90.
+"""Tensor maps for Hopper's tensor memory accelerator: how rungs 4 and 5 feed their K/V rings on sm_90.
 
 A tensor map (CUtensorMap) describes a strided global tensor and a box; the kernel (kernels/common/tma.cuh)
 copies whole boxes into shared memory with one instruction. The forward's maps view K and V as 4-D tensors
 (head dim, rows, kv heads, batch) — varlen packs every sequence along the rows of one batch entry — with boxes
-of 32 columns (64 bytes, one swizzle block of common/tile.cuh) by block_n rows, in the 64-byte swizzle mode
-that writes exactly the layout the kernel's ldmatrix addressing reads. A map holds the tensor's address;
+of one swizzle block of common/tile.cuh by a tile's rows: 32 columns (64 bytes) in the 64-byte swizzle mode for
+rung 4's narrow layout, 64 columns (128 bytes) in the 128-byte mode for the wide layout wgmma reads (rung 5).
+Either mode writes exactly the layout the kernel's addressing reads. A map holds the tensor's address;
 encoding one (cuTensorMapEncodeTiled through cuda.bindings) costs ~11 us of host time on the H200's host, so
 maps are kept by address, shape, strides and dtype: the same memory seen the same way is described by the
 same map, and a repeated call (a benchmark, a static KV buffer, the caching allocator handing back a block)
@@ -18,9 +19,9 @@ import ctypes
 import torch
 
 from .jit import cuda_module
+from .specs import KvBox
 
 MAP_BYTES = 128            # sizeof(CUtensorMap)
-BOX_COLUMNS = 32           # one 64-byte swizzle block of 16-bit elements
 NO_MAPS = bytes(2 * MAP_BYTES)  # the kernel's KvMaps parameter when its build loads K/V with cp.async
 MAX_KEPT_MAPS = 1024
 
@@ -36,7 +37,7 @@ def _cuda():
     return _driver
 
 
-def _encode(t: torch.Tensor, block_n: int) -> bytes:
+def _encode(t: torch.Tensor, box_rows: int, box_cols: int) -> bytes:
     d = _cuda()
     elem = t.element_size()
     if t.dim() == 3:  # varlen (total, heads, dim): one batch entry
@@ -48,10 +49,12 @@ def _encode(t: torch.Tensor, block_n: int) -> bytes:
     byte_strides = [d.cuuint64_t(s * elem if n > 1 else span) for n, s in zip(shape, strides)]
     dtype = (d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
              else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    swizzle = {64: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
+               128: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}[box_cols * elem]
     err, tmap = d.cuTensorMapEncodeTiled(
         dtype, 4, t.data_ptr(), [d.cuuint64_t(t.shape[-1])] + [d.cuuint64_t(n) for n in shape], byte_strides,
-        [d.cuuint32_t(BOX_COLUMNS), d.cuuint32_t(block_n), d.cuuint32_t(1), d.cuuint32_t(1)], [d.cuuint32_t(1)] * 4,
-        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
+        [d.cuuint32_t(box_cols), d.cuuint32_t(box_rows), d.cuuint32_t(1), d.cuuint32_t(1)], [d.cuuint32_t(1)] * 4,
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
         d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != d.CUresult.CUDA_SUCCESS:
@@ -60,25 +63,25 @@ def _encode(t: torch.Tensor, block_n: int) -> bytes:
     return ctypes.string_at(tmap.getPtr(), MAP_BYTES)
 
 
-def _map(t: torch.Tensor, block_n: int) -> bytes:
-    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, block_n)
+def _map(t: torch.Tensor, box_rows: int, box_cols: int) -> bytes:
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, box_rows, box_cols)
     encoded = _kept.get(key)
     if encoded is None:
         if len(_kept) >= MAX_KEPT_MAPS:
             _kept.clear()
-        encoded = _kept[key] = _encode(t, block_n)
+        encoded = _kept[key] = _encode(t, box_rows, box_cols)
     return encoded
 
 
-def kv_maps(k: torch.Tensor, v: torch.Tensor, block_n: int) -> bytes:
+def kv_maps(k: torch.Tensor, v: torch.Tensor, box: KvBox) -> bytes:
     """The forward kernel's KvMaps parameter: K's map, then V's (kernels/common/tma.cuh)."""
-    return _map(k, block_n) + _map(v, block_n)
+    return _map(k, box.rows, box.cols) + _map(v, box.rows, box.cols)
 
 
-def kernel_argument(k: torch.Tensor, v: torch.Tensor, box_rows: int | None) -> bytes | None:
-    """The forward kernel's second argument (specs.kv_box_rows says which): None for kernels that take one
-    argument, empty maps for builds that load K/V with cp.async (box_rows 0), else K's and V's maps."""
-    if box_rows is None:
+def kernel_argument(k: torch.Tensor, v: torch.Tensor, box: KvBox | None) -> bytes | None:
+    """The forward kernel's second argument (its spec's `kv_maps` says which): None for kernels that take one
+    argument, empty maps for builds that load K/V with cp.async (box rows 0), else K's and V's maps."""
+    if box is None:
         return None
-    return kv_maps(k, v, box_rows) if box_rows else NO_MAPS
+    return kv_maps(k, v, box) if box.rows else NO_MAPS
 

@@ -54,8 +54,9 @@ def run(shape: tuple[int, int, int, int], dtype: torch.dtype, causal: bool, reps
         return _with_speedups(doc, baseline=f"{CPU_SDPA_BACKENDS[0]} (cpu)")
 
     q, k, v = _inputs(batch, heads, seqlen, head_dim, dtype, "cuda")
+    variant = dispatch.variant_of(FwdProblem(q, k, v, head_dim**-0.5, (-1, 0) if causal else (-1, -1)), "fwd")
     for rung in ladder.RUNGS:
-        if dtype not in rung.dtypes or head_dim > rung.max_head_dim:
+        if rung.unsupported(variant):
             continue
         ms = measure.time_cuda(lambda: api.attention(q, k, v, causal=causal, rung=rung.name),
                                reps=reps if rung.number > 0 else max(5, reps // 3))
@@ -80,8 +81,8 @@ def _with_speedups(doc: dict, baseline: str) -> dict:
 
 def _cold_compile_seconds(spec) -> float:
     """NVRTC time for `spec` in a new Python process (an in-process NVRTC call can reuse warm state)."""
-    code = ("import sys; from flashtile import jit, specs; "
-            f"m = jit.compile_spec(specs.{spec!r}, use_cache=False); print(m.seconds)")
+    code = ("import sys; from flashtile import jit; from flashtile.specs import KernelSpec, KvBox; "
+            f"m = jit.compile_spec({spec!r}, use_cache=False); print(m.seconds)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     return float(done.stdout.strip().splitlines()[-1])

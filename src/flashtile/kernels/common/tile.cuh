@@ -98,12 +98,13 @@ struct TileLoader {
     __device__ __forceinline__ TileLoader(const elem_t* matrix, i64 stride, int dim) : row_stride(stride) {
         const int chunk = threadIdx.x % kChunks;
         row = threadIdx.x / kChunks;
-        src = matrix + (i64)row * stride + chunk * kChunkElems;
-        dst = Tile::offset(row, chunk * kChunkElems) * (u32)sizeof(elem_t);  // the swizzle depends on row % 8 only
-        blocks_in_dim = 0;
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b)
-            if (b * kBlockCols + chunk * kChunkElems < dim) blocks_in_dim |= 1u << b;
+        place(matrix, stride, dim, chunk);
+    }
+    // The same for kThreads that are a part of the block (a warpgroup): `thread` is this thread's index among them.
+    __device__ __forceinline__ TileLoader(const elem_t* matrix, i64 stride, int dim, int thread) : row_stride(stride) {
+        const int chunk = thread % kChunks;
+        row = thread / kChunks;
+        place(matrix, stride, dim, chunk);
     }
 
     // Copy rows [row0, row0 + kRows) to the tile at shared address `tile`; rows >= valid_rows become zeros,
@@ -131,6 +132,15 @@ struct TileLoader {
     }
 
   private:
+    __device__ __forceinline__ void place(const elem_t* matrix, i64 stride, int dim, int chunk) {
+        src = matrix + (i64)row * stride + chunk * kChunkElems;
+        dst = Tile::offset(row, chunk * kChunkElems) * (u32)sizeof(elem_t);  // the swizzle depends on row % 8 only
+        blocks_in_dim = 0;
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
+            if (b * kBlockCols + chunk * kChunkElems < dim) blocks_in_dim |= 1u << b;
+    }
+
     __device__ static constexpr u32 chunk_bytes(int block, int pass) {
         return (block * kRows + pass * kRowsPerPass) * kBlockCols * (u32)sizeof(elem_t);
     }

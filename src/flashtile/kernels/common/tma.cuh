@@ -28,6 +28,10 @@ __device__ __forceinline__ void mbarrier_init_fence() { asm volatile("fence.mbar
 __device__ __forceinline__ void mbarrier_arrive_expect_bytes(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
 }
+// One arrival (of the count the barrier was initialised with) on the barrier's current phase.
+__device__ __forceinline__ void mbarrier_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
 // Blocks until the barrier has completed the phase of the given parity (0, 1, 0, ... for its successive uses).
 __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
     asm volatile("{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"

@@ -52,6 +52,21 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(kPending) : "memory");
 }
 
+// Warp specialisation: a warpgroup gives registers back (a producer holding no data) or takes them (the consumers);
+// every warp of the warpgroup executes it. The counts are per thread, multiples of 8 between 24 and 256.
+template <int kRegisters>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(kRegisters)); }
+template <int kRegisters>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(kRegisters)); }
+// A barrier among `threads` threads (whole warps) of the block, by id; 0 is __syncthreads' own.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+// Counts this warp's threads towards the barrier's `threads` without waiting for the others.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+
 // Pins accumulator registers at this point of the program for the compiler: without it, registers that
 // ordinary code wrote before a product let ptxas insert its own warpgroup waits and serialize every product
 // (ptxas info C7520).

@@ -1,0 +1,377 @@
+// wgmma/fwd.cu — rung 5 "hopper": the forward on Hopper's warpgroup products, fed by the copy engine.
+//
+// Idea:     rung 4's algorithm with each resource given to the unit built for it:
+//           * warp specialisation: one producer warp issues the tensor memory accelerator's copies (K and V
+//             tiles through a ring of FT_STAGES stages, each K and V slot with a "full" mbarrier the copy engine
+//             completes and an "empty" one the consumers release it with), while kConsumers warpgroups of 64
+//             query rows each compute. Nobody waits at a block-wide barrier inside the loop: a consumer waits only for the
+//             tile it needs, the producer only for the stage it refills;
+//           * setmaxnreg moves registers from the producer warpgroup (which holds no data) to the consumers,
+//             whose scores, probabilities and output accumulators all live in registers;
+//           * both products on wgmma: S = Q K^T reads Q and K from shared memory (SS), O += P V takes P
+//             straight from the score registers as 16-bit A fragments (RS) and V from shared memory. A
+//             warpgroup's 64 x kBlockN product is one instruction stream the tensor cores run asynchronously,
+//             reading each operand from shared memory once per warpgroup, where rung 4 read every fragment
+//             into every warp with ldmatrix;
+//           * the softmax as rung 4's: base 2 with the scale folded in, O rescaled only when a row's
+//             reference maximum moves by more than 2^8, masks only on tiles that cut the mask's boundary;
+//           Features: GQA/MQA, causal and sliding-window masks (bottom-right aligned), the LSE, any strides.
+//           Varlen, softcap, ALiBi and head dims other than 64, 128 and 256 run on rung 4 (the registry says so).
+// Removes:  rung 4's mma.sync (about two thirds of wgmma's rate), its ldmatrix traffic (every warp read every
+//           K/V fragment) and its block-wide barrier per tile.
+// Measured: against rung 4 in docs/ladder.md; against cuDNN and FlashAttention in docs/performance.md.
+//           * overlap: a warpgroup issues S_i = Q K_i^T and O += P_{i-1} V_{i-1} together and runs the softmax
+//             of S_i while P V is still on the tensor cores (O is rescaled once it lands); with ping-pong
+//             (FT_PINGPONG) the consumers also take turns issuing their products, so one warpgroup's
+//             exponentials run while another's products do.
+// Wastes:   O leaves through ordinary stores; one block per (query block, head, batch), so a block's prologue
+//           and epilogue do not overlap another tile's loop.
+#include "../common/params.cuh"
+#include "../common/mask.cuh"
+#include "../common/tile.cuh"
+#include "../common/tma.cuh"
+#include "wgmma.cuh"
+
+constexpr int kHeadDim = FT_HEAD_DIM;      // padded q/k head dim of this build
+constexpr int kHeadDimV = FT_HEAD_DIM_V;   // padded v head dim
+constexpr int kBlockM = FT_BLOCK_M;        // query rows per block: 64 per consumer warpgroup } specs.py
+constexpr int kBlockN = FT_BLOCK_N;        // keys per tile                                 } HOPPER_FWD_TILES
+constexpr int kStages = FT_STAGES;         // K/V stages in the ring                        } says why
+constexpr bool kPingPong = FT_PINGPONG;    // consumers take turns on the tensor cores
+constexpr int kProducerRegisters = FT_PRODUCER_REGISTERS;  // per thread, after setmaxnreg
+constexpr int kConsumerRegisters = FT_CONSUMER_REGISTERS;
+
+constexpr int kConsumers = kBlockM / kWgmmaM;                   // consumer warpgroups
+constexpr int kWarpgroupThreads = kWarpgroupWarps * kWarpSize;
+constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;  // warpgroup 0 produces
+static_assert(kBlockM == kConsumers * kWgmmaM, "64 query rows per consumer warpgroup");
+static_assert(kHeadDim == kHeadDimV, "one head dim for q, k and v");
+static_assert(kHeadDim % kSwizzleRowElems == 0, "whole 128-byte column blocks");
+static_assert(kBlockN == 64 || kBlockN == 128, "score products exist for N = 64, 128");
+static_assert(kStages >= 2, "the producer refills one stage while the consumers read another");
+
+// O's columns in products of at most 128 (the widest product wgmma.cuh has), each with its own accumulators.
+constexpr int kOutN = kHeadDimV < 128 ? kHeadDimV : 128;
+constexpr int kOutProducts = kHeadDimV / kOutN;
+constexpr int kScoreAccumulators = kBlockN / 2;   // per thread: 64 rows x kBlockN over 128 threads
+constexpr int kOutAccumulators = kOutN / 2;
+constexpr int kScoreSteps = kBlockN / kWgmmaK;    // k16 steps of O += P V
+
+using QTile = SwizzledTile<kWgmmaM, kHeadDim, true>;  // one consumer's rows of Q, later of O
+using KTile = SwizzledTile<kBlockN, kHeadDim, true>;
+using VTile = SwizzledTile<kBlockN, kHeadDimV, true>;
+template <typename Tile>
+constexpr u32 kColumnBlockBytes = Tile::kBlockElems * sizeof(elem_t);  // a descriptor's step from block to block
+constexpr u32 kKStageBytes = KTile::kElems * sizeof(elem_t), kVStageBytes = VTile::kElems * sizeof(elem_t);
+
+struct __align__(kSwizzleAtomBytes) SharedStorage {
+    elem_t q[kConsumers][QTile::kElems];
+    elem_t k[kStages][KTile::kElems];
+    elem_t v[kStages][VTile::kElems];
+    unsigned long long k_full[kStages];    // complete when stage s's K tile has landed
+    unsigned long long v_full[kStages];    // ... its V tile
+    unsigned long long k_empty[kStages];   // complete when every consumer warp's S = Q K^T has read stage s's K
+    unsigned long long v_empty[kStages];   // ... its O += P V has read stage s's V
+};
+
+constexpr float kRescaleThreshold = 8.f;  // as rung 4 (mma/fwd.cu): O is rescaled only past 2^8
+constexpr int kProducerThread = 0;
+constexpr int kConsumerBarrierBase = 1;   // named barrier 1 + c: consumer warpgroup c alone (0 is __syncthreads)
+constexpr int kTurnBarrierBase = kConsumerBarrierBase + kConsumers;  // + c: consumer c's turn on the tensor cores
+
+template <bool B> struct Bool { static constexpr bool value = B; };
+
+// S (64 rows x kBlockN keys) = Q K^T over the head dim, both K-major: a k16 step is 32 bytes along the rows,
+// every fourth one a column block on.
+__device__ __forceinline__ void scores(float (&s)[kScoreAccumulators], u32 q_tile, u32 k_tile) {
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / kWgmmaK; ++kk) {
+        const int block = kk * kWgmmaK / kSwizzleRowElems;
+        const u32 within = (kk * kWgmmaK % kSwizzleRowElems) * sizeof(elem_t);
+        wgmma_ss<0, 0>(s, k_major(q_tile + block * kColumnBlockBytes<QTile> + within),
+                       k_major(k_tile + block * kColumnBlockBytes<KTile> + within), kk > 0);
+    }
+}
+
+// O += P V: P from the registers, V MN-major (a k16 step is 16 rows further; a product's columns span
+// kOutN / 64 column blocks).
+__device__ __forceinline__ void add_values(float (&o)[kOutProducts][kOutAccumulators], const u32 (&p16)[kScoreSteps][4],
+                                           u32 v_tile) {
+#pragma unroll
+    for (int kk = 0; kk < kScoreSteps; ++kk)
+#pragma unroll
+        for (int n = 0; n < kOutProducts; ++n)
+            wgmma_rs<1>(o[n], p16[kk],
+                        mn_major(v_tile + n * (kOutN / kSwizzleRowElems) * kColumnBlockBytes<VTile> +
+                                     kk * kWgmmaK * kSwizzleRowBytes,
+                                 kColumnBlockBytes<VTile>),
+                        1);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps maps) {
+    extern __shared__ __align__(kSwizzleAtomBytes) unsigned char smem_raw[];
+    SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+    if (dynamic_smem_bytes() < sizeof(SharedStorage)) __trap();
+    if (smem_addr(smem_raw) % kSwizzleAtomBytes != 0) __trap();  // the swizzle pattern is anchored to 1024 bytes
+    // The warpgroup index must look uniform to the compiler (wgmma on a path it thinks divergent is serialized).
+    const int warpgroup = __shfl_sync(kFullWarpMask, threadIdx.x / kWarpgroupThreads, 0);
+
+    // Heaviest blocks first: under a causal mask the last query block sees the most keys.
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const Problem pr = locate_problem(p, b, h);
+    const int m0 = m_block * kBlockM;
+    if (m0 >= pr.seqlen_q) return;
+    const int m1 = min(m0 + kBlockM, pr.seqlen_q);
+    const Mask mask(p.window_left, p.window_right, pr.seqlen_q, pr.seqlen_k);
+    const int n_begin = mask.key_begin(m0) / kBlockN * kBlockN;
+    const int n_end = mask.key_end(m1);
+    const int n_tiles = n_end > n_begin ? ceil_div(n_end - n_begin, kBlockN) : 0;
+
+    const u32 k_smem = smem_addr(smem.k[0]), v_smem = smem_addr(smem.v[0]);
+    const u32 k_full = smem_addr(smem.k_full), v_full = smem_addr(smem.v_full);
+    const u32 k_empty = smem_addr(smem.k_empty), v_empty = smem_addr(smem.v_empty);
+    if (threadIdx.x == kProducerThread) {
+        for (int s = 0; s < kStages; ++s) {
+            mbarrier_init(k_full + s * kMbarrierBytes, 1);
+            mbarrier_init(v_full + s * kMbarrierBytes, 1);
+            mbarrier_init(k_empty + s * kMbarrierBytes, kConsumers * kWarpgroupWarps);
+            mbarrier_init(v_empty + s * kMbarrierBytes, kConsumers * kWarpgroupWarps);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();  // the last block-wide barrier: from here on the warpgroups meet only at mbarriers
+
+    if (warpgroup == 0) {
+        // Producer: K and V tiles into the ring, in the consumers' order, each as soon as its slot is free (a K
+        // slot frees a round before its V slot: S = Q K^T reads it first). The maps see K and V as (head dim,
+        // rows, kv heads, batch); rows past the sequence read as zeros.
+        setmaxnreg_dec<kProducerRegisters>();
+        if (threadIdx.x != kProducerThread) return;
+        const int map_row0 = (int)pr.k_start, map_head = h / p.group, map_batch = b;
+        for (int it = 0; it < n_tiles; ++it) {
+            const int stage = it % kStages, round = it / kStages, n0 = n_begin + it * kBlockN;
+            const u32 k_bar = k_full + stage * kMbarrierBytes, v_bar = v_full + stage * kMbarrierBytes;
+            if (round > 0) mbarrier_wait(k_empty + stage * kMbarrierBytes, (round - 1) & 1);
+            mbarrier_arrive_expect_bytes(k_bar, kKStageBytes);
+#pragma unroll
+            for (int blk = 0; blk < kHeadDim / kSwizzleRowElems; ++blk)
+                tma_load_4d(k_smem + stage * kKStageBytes + blk * kColumnBlockBytes<KTile>, maps.k,
+                            blk * kSwizzleRowElems, map_row0 + n0, map_head, map_batch, k_bar);
+            if (round > 0) mbarrier_wait(v_empty + stage * kMbarrierBytes, (round - 1) & 1);
+            mbarrier_arrive_expect_bytes(v_bar, kVStageBytes);
+#pragma unroll
+            for (int blk = 0; blk < kHeadDimV / kSwizzleRowElems; ++blk)
+                tma_load_4d(v_smem + stage * kVStageBytes + blk * kColumnBlockBytes<VTile>, maps.v,
+                            blk * kSwizzleRowElems, map_row0 + n0, map_head, map_batch, v_bar);
+        }
+        return;
+    }
+
+    // Consumers: warpgroup c owns query rows [64 (c - 1), 64 c) of the block.
+    setmaxnreg_inc<kConsumerRegisters>();
+    const int consumer = warpgroup - 1;
+    const int tid = threadIdx.x % kWarpgroupThreads, warp = tid / kWarpSize, lane = tid % kWarpSize;
+    const int g = lane / kQuad, t = lane % kQuad;
+    const int row0 = m0 + consumer * kWgmmaM;         // this warpgroup's first query row
+    const int warp_row0 = row0 + warp * kMmaM;        // this warp's; a lane has rows g and g + 8 from it
+    const u32 q_tile = smem_addr(smem.q[consumer]);
+    const int barrier = kConsumerBarrierBase + consumer;
+
+    // Q: this warpgroup's rows, by its own threads (cp.async; rows past the sequence and columns past the real
+    // head dim read as zeros), published to its products through the async proxy.
+    static_assert(TileLoader<kWgmmaM, kHeadDim, kWarpgroupThreads, true>::kAllThreads, "every thread copies");
+    TileLoader<kWgmmaM, kHeadDim, kWarpgroupThreads, true>(static_cast<const elem_t*>(p.q) + pr.q_offset,
+                                                             p.q_row_stride, p.head_dim, tid)
+        .issue(q_tile, row0, pr.seqlen_q);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    named_barrier_sync(barrier, kWarpgroupThreads);
+
+    const float log2_factor = p.scale_log2;
+    float o[kOutProducts][kOutAccumulators] = {};
+    float row_max[2] = {kNegInf, kNegInf}, row_sum[2] = {0.f, 0.f};  // rows g and g + 8 of this warp
+    float s[kScoreAccumulators];   // the scores of the tile being softmaxed, then its probabilities
+    u32 p16[kScoreSteps][4];       // the probabilities of the tile whose O += P V is in flight
+
+    // The softmax of tile `it`'s scores in s: the mask (boundary tiles only), the rows' reference maxima (moved
+    // only when a score passes them by more than the threshold), P = exp2(s * factor - m_ref * factor) in place,
+    // the row sums. Returns whether O must be rescaled, by `correction` per row, before P V is added.
+    float correction[2];
+    auto softmax = [&](int it, auto masked) {
+        const int n0 = n_begin + it * kBlockN;
+        float tile_max[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = warp_row0 + g + 8 * half;
+            const int col0 = n0 + 2 * t;  // columns relative to this lane's first: the row sees keys [lo, hi)
+            const int lo = mask.first_key(row) - col0, hi = mask.end_key(row) - col0;
+            float mx = kNegInf;
+#pragma unroll
+            for (int j = 0; j < kBlockN / kMmaN; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = s[4 * j + 2 * half + e];
+                    if constexpr (decltype(masked)::value) {
+                        const int col = j * kMmaN + e;
+                        if (col < lo || col >= hi) x = kNegInf;
+                    }
+                    mx = fmaxf(mx, x);
+                }
+            tile_max[half] = quad_max(mx);
+        }
+        bool moved = false;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) moved |= (tile_max[half] - row_max[half]) * log2_factor > kRescaleThreshold;
+        const bool rescale = __any_sync(kFullWarpMask, moved);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            correction[half] = 1.f;
+            if (rescale) {
+                const float m_new = fmaxf(row_max[half], tile_max[half]);
+                correction[half] = m_new == kNegInf ? 1.f : fast_exp2((row_max[half] - m_new) * log2_factor);
+                row_max[half] = m_new;
+                row_sum[half] *= correction[half];
+            }
+            const float shift = row_max[half] == kNegInf ? 0.f : row_max[half] * log2_factor;
+            float tile_sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < kBlockN / kMmaN; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = s[4 * j + 2 * half + e];
+                    x = fast_exp2(x * log2_factor - shift);
+                    tile_sum += x;
+                }
+            row_sum[half] += tile_sum;
+        }
+        return rescale;
+    };
+    auto softmax_of = [&](int it) {
+        const int n0 = n_begin + it * kBlockN;
+        return mask.tile_unmasked(row0, min(row0 + kWgmmaM, pr.seqlen_q), n0, n0 + kBlockN)
+                   ? softmax(it, Bool<false>()) : softmax(it, Bool<true>());
+    };
+    auto to_p16 = [&] {
+#pragma unroll
+        for (int kk = 0; kk < kScoreSteps; ++kk) accumulators_to_a(p16[kk], n8_tile(s, 2 * kk), n8_tile(s, 2 * kk + 1));
+    };
+    auto fence_o = [&] {
+#pragma unroll
+        for (int n = 0; n < kOutProducts; ++n) fence_operands(o[n]);
+    };
+    // Tile `it`'s K or V slot back to the producer, once this warp's products have read it.
+    auto release_k = [&](int it) { if (lane == 0) mbarrier_arrive(k_empty + (it % kStages) * kMbarrierBytes); };
+    auto release_v = [&](int it) { if (lane == 0) mbarrier_arrive(v_empty + (it % kStages) * kMbarrierBytes); };
+    auto wait_k = [&](int it) { mbarrier_wait(k_full + (it % kStages) * kMbarrierBytes, (it / kStages) & 1); };
+    auto wait_v = [&](int it) { mbarrier_wait(v_full + (it % kStages) * kMbarrierBytes, (it / kStages) & 1); };
+    auto k_tile = [&](int it) { return k_smem + (it % kStages) * kKStageBytes; };
+    auto v_tile = [&](int it) { return v_smem + (it % kStages) * kVStageBytes; };
+
+    // Ping-pong: the consumers take turns issuing their products (named barriers in a ring), so that while one
+    // warpgroup's products run on the tensor cores the others compute their softmax. Each round of products is
+    // bracketed by waiting for this warpgroup's turn and passing the turn on; the last consumer passes nothing
+    // on after its last round (nobody would take it).
+    auto turn_begin = [&] {
+        if constexpr (kPingPong) named_barrier_sync(kTurnBarrierBase + consumer, 2 * kWarpgroupThreads);
+    };
+    auto turn_end = [&](bool last_round) {
+        if constexpr (kPingPong)
+            if (!(last_round && consumer == kConsumers - 1))
+                named_barrier_arrive(kTurnBarrierBase + (consumer + 1) % kConsumers, 2 * kWarpgroupThreads);
+    };
+    if (kPingPong && consumer == kConsumers - 1 && n_tiles > 0)
+        named_barrier_arrive(kTurnBarrierBase, 2 * kWarpgroupThreads);  // the first turn is consumer 0's
+
+    // The loop keeps two products in flight: round `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}, then
+    // runs the softmax of S_it while P V still runs; O is rescaled once P V has landed.
+    if (n_tiles > 0) {
+        wait_k(0);
+        turn_begin();
+        fence_operands(s);
+        wgmma_fence();
+        scores(s, q_tile, k_tile(0));
+        wgmma_commit();
+        turn_end(false);
+        wgmma_wait<0>();
+        fence_operands(s);
+        release_k(0);
+        softmax_of(0);  // O is still zero: nothing to rescale
+        to_p16();
+    }
+    for (int it = 1; it < n_tiles; ++it) {
+        wait_k(it);
+        wait_v(it - 1);
+        turn_begin();
+        fence_operands(s);
+        fence_o();
+        wgmma_fence();
+        scores(s, q_tile, k_tile(it));
+        wgmma_commit();
+        add_values(o, p16, v_tile(it - 1));
+        wgmma_commit();
+        turn_end(false);
+        wgmma_wait<1>();
+        fence_operands(s);
+        release_k(it);
+        const bool rescale = softmax_of(it);
+        wgmma_wait<0>();
+        fence_o();
+        release_v(it - 1);
+        if (rescale) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int n = 0; n < kOutProducts; ++n)
+#pragma unroll
+                    for (int j = 0; j < kOutN / kMmaN; ++j) {
+                        o[n][4 * j + 2 * half] *= correction[half];
+                        o[n][4 * j + 2 * half + 1] *= correction[half];
+                    }
+        }
+        to_p16();
+    }
+    if (n_tiles > 0) {
+        wait_v(n_tiles - 1);
+        turn_begin();
+        fence_o();
+        wgmma_fence();
+        add_values(o, p16, v_tile(n_tiles - 1));
+        wgmma_commit();
+        turn_end(true);
+        wgmma_wait<0>();
+        fence_o();
+        release_v(n_tiles - 1);
+    }
+
+    // Epilogue: normalise, stage this warpgroup's rows of O over its rows of Q (its products are done with them),
+    // store 16 bytes at a time.
+    elem_t* q_rows = smem.q[consumer];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int local_row = warp * kMmaM + g + 8 * half;
+        const float l = quad_sum(row_sum[half]);
+        const float inv_l = saw_keys(l) ? 1.f / l : 0.f;
+#pragma unroll
+        for (int n = 0; n < kOutProducts; ++n)
+#pragma unroll
+            for (int j = 0; j < kOutN / kMmaN; ++j)
+                *reinterpret_cast<u32*>(q_rows + QTile::offset(local_row, n * kOutN + j * kMmaN + 2 * t)) =
+                    pack2<elem_t>(o[n][4 * j + 2 * half] * inv_l, o[n][4 * j + 2 * half + 1] * inv_l);
+        const int row = row0 + local_row;
+        if (p.lse != nullptr && t == 0 && row < pr.seqlen_q)
+            p.lse[pr.lse_offset + row] = saw_keys(l) ? (row_max[half] * log2_factor + __log2f(l)) / kLog2e : kNegInf;
+    }
+    named_barrier_sync(barrier, kWarpgroupThreads);
+    elem_t* out = static_cast<elem_t*>(p.o) + pr.o_offset;
+    constexpr int kVecsPerRow = kHeadDimV / kElemsPerVector;
+    for (int idx = tid; idx < kWgmmaM * kVecsPerRow; idx += kWarpgroupThreads) {
+        const int local_row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
+        const int row = row0 + local_row;
+        if (row < pr.seqlen_q && col < p.head_dim_v)
+            *reinterpret_cast<uint4*>(out + (i64)row * p.o_row_stride + col) =
+                *reinterpret_cast<const uint4*>(q_rows + QTile::offset(local_row, col));
+    }
+}
