@@ -1,5 +1,5 @@
-"""Ring attention over gloo on the CPU: 2 and 4 processes, each rank's shard against single-process attention on
-the whole sequence, forward, LSE and gradients (tests/distributed_worker.py is one rank)."""
+"""Ring attention over gloo on the CPU (2 and 4 processes) and over NCCL on two or more GPUs: each rank's shard
+against attention on the whole sequence, forward, LSE and gradients (tests/distributed_worker.py is one rank)."""
 
 import json
 import os
@@ -26,14 +26,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("layout", distributed.LAYOUTS)
-@pytest.mark.parametrize("causal", [True, False])
-def test_ring_attention_matches_attention_on_the_whole_sequence(world, layout, causal, tmp_path):
+def _run_ranks(world: int, layout: str, causal: bool, tmp_path, device: str = "cpu") -> list[dict]:
+    """Start `world` worker processes, wait for all; each rank's JSON result."""
     port = str(_free_port())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
     ranks = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), port, layout, str(int(causal)),
-                               str(tmp_path / f"rank{rank}.json")], env=env, stderr=subprocess.PIPE, text=True)
+                               str(tmp_path / f"rank{rank}.json"), device], env=env, stderr=subprocess.PIPE, text=True)
              for rank in range(world)]
     try:
         codes = [r.wait(timeout=TIMEOUT_S) for r in ranks]
@@ -41,9 +39,29 @@ def test_ring_attention_matches_attention_on_the_whole_sequence(world, layout, c
         for r in ranks:
             r.kill()
     assert codes == [0] * world, [r.stderr.read()[-2000:] for r in ranks]
-    for rank in range(world):
-        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", distributed.LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_matches_attention_on_the_whole_sequence(world, layout, causal, tmp_path):
+    for rank, errors in enumerate(_run_ranks(world, layout, causal, tmp_path)):
         assert all(e < TOLERANCE for e in errors.values()), (rank, errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", distributed.LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_on_gpus_matches_the_fp64_reference(layout, causal, tmp_path):
+    """NCCL on every GPU of the machine (two or more), bf16: the unsharded output, LSE and gradients meet the
+    single-GPU tests' rule against the fp64 reference, as single-GPU flashtile does on the same inputs."""
+    world = torch.cuda.device_count()
+    if world < 2:
+        pytest.skip("ring attention over NCCL needs two or more GPUs")
+    found = _run_ranks(world, layout, causal, tmp_path, device="cuda")[0]
+    assert found["single"]["forward_ok"] and found["single"]["grads_ok"], found["single"]
+    assert found["ring"]["forward_ok"] and found["ring"]["grads_ok"], found["ring"]
 
 
 def test_shard_and_unshard_are_inverse_layouts_single_process():

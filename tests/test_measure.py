@@ -48,3 +48,20 @@ def test_time_cpu_takes_turns_and_alternates_the_order():
     medians = measure.time_cpu(fns, reps=3, warmup=1)
     assert set(medians) == set("abc") and all(ms >= 0 for ms in medians.values())
     assert "".join(calls) == "abc" + "abc" + "cba" + "abc"
+
+
+def test_performance_md_renders_every_committed_result(tmp_path):
+    """performance.md is generated from docs/results: each result file there gets its section, with its numbers."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from flashtile.bench import report
+
+    results = Path(__file__).parents[1] / "docs" / "results"
+    shutil.copytree(results, tmp_path / "results")
+    text = report.write_performance(tmp_path).read_text()
+    for title in ("The standard matrix", "Decode", "Host overhead", "Context parallelism", "The ladder on the GPU"):
+        assert f"## {title}" in text
+    ring = json.loads((results / "ring.json").read_text())
+    assert all(f"| {row['efficiency']:.3f} |" in text for row in ring["rows"])

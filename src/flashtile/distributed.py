@@ -1,7 +1,8 @@
 """Context parallelism: one sequence split over the ranks of a process group (ring attention).
 
 Each rank holds a shard of q, k and v along the sequence (`shard` / `unshard`). K and V travel round the ring by
-point-to-point sends; at every step a rank attends its queries to the key/value shard it holds with
+point-to-point sends (over NCCL on its own stream, while the step before them computes); at every step a rank
+attends its queries to the key/value shard it holds with
 `flashtile.attention` (which returns the log-sum-exp), and the partial outputs merge in fp32 by their LSE. The
 sends are an autograd op whose backward sends the gradients back the other way, and the merge is ordinary torch
 arithmetic on differentiable outputs and LSEs, so autograd yields dQ, dK and dV on the ranks that own them.
@@ -64,16 +65,25 @@ def unshard(x: torch.Tensor, group=None, layout: str = "zigzag", seq_dim: int = 
 
 
 class _RingShift(torch.autograd.Function):
-    """Send a tensor to the next rank and receive the previous rank's; the backward sends gradients back."""
+    """Send a tensor to the next rank and receive the previous rank's; the backward sends gradients back.
+
+    The forward only starts the exchange where the backend runs it beside the computation (NCCL: on its own
+    stream): it appends the exchange's requests to `pending`, and the caller waits on them once it has queued
+    the work that overlaps them, before anything reads the result."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group, pending: list) -> torch.Tensor:
         ctx.group = group
-        return _exchange(x, group, step=1)
+        received, requests = _start_exchange(x, group, step=1)
+        pending.extend(requests)
+        return received
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad.contiguous(), ctx.group, step=-1), None
+        received, requests = _start_exchange(grad.contiguous(), ctx.group, step=-1)
+        for request in requests:
+            request.wait()
+        return received, None, None
 
 
 class _Reaching(torch.autograd.Function):
@@ -92,8 +102,9 @@ class _Reaching(torch.autograd.Function):
         return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _exchange(x: torch.Tensor, group, step: int) -> torch.Tensor:
-    """Send x to rank + step, receive from rank - step (on the ring of `group`)."""
+def _start_exchange(x: torch.Tensor, group, step: int) -> tuple[torch.Tensor, list]:
+    """Send x to rank + step and receive from rank - step (on the ring of `group`): the buffer that receives, and
+    the requests to wait on before reading it (none where the exchange has already finished)."""
     world, rank = _world(group)
     received = torch.empty_like(x)
 
@@ -110,11 +121,9 @@ def _exchange(x: torch.Tensor, group, step: int) -> torch.Tensor:
         else:
             dist.recv(received, frm, group)
             dist.send(x.contiguous(), to, group)
-        return received
+        return received, []
     ops = [dist.P2POp(dist.isend, x.contiguous(), to, group), dist.P2POp(dist.irecv, received, frm, group)]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-    return received
+    return received, dist.batch_isend_irecv(ops)
 
 
 def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,6 +172,9 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, win
     for step in range(world):
         owner = (rank - step) % world
         k_held, v_held = kv[..., :head_dim], kv[..., head_dim:]
+        # The next step's K and V start travelling now and arrive while this step's attention runs.
+        pending: list = []
+        arriving = _RingShift.apply(kv, group, pending) if step + 1 < world else None
         k_chunks, v_chunks = k_held.split(chunk, dim=1), v_held.split(chunk, dim=1)
         for qi, qc in enumerate(my_chunks):
             for ki, kc in enumerate(_chunks_of(owner, world, layout)):
@@ -172,8 +184,10 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, win
                 o, lse = api.attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], window_size=window, **options)
                 outs[qi].append(o)
                 lses[qi].append(lse)
-        if step + 1 < world:
-            kv = _RingShift.apply(kv, group)
+        for request in pending:  # NCCL: the current stream waits for the exchange, the host does not
+            request.wait()
+        if arriving is not None:
+            kv = arriving
     merged = [_merge(o, lse) for o, lse in zip(outs, lses)]
     out = torch.cat([o for o, _ in merged], dim=1).to(q.dtype)
     if world > 1:

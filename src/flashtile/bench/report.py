@@ -144,6 +144,17 @@ def write_performance(docs_dir: Path) -> Path:
         sections += [f"| {name} | {row['flashtile']:.1f} | {row['sdpa-flash']:.1f} |"
                      for name, row in doc["per_call_us"].items()]
         sections.append("")
+    ring_json = docs_dir / RESULTS / "ring.json"
+    if ring_json.exists():
+        doc = json.loads(ring_json.read_text())
+        sections += ["## Context parallelism (`scripts/bench_ring.py`)", "",
+                     f"Measured {doc['system']['date']} on {doc['world']} x {_system_line(doc['system'])}. Forward + "
+                     f"backward of one sequence, batch 1, {doc['heads']} heads, d{doc['head_dim']} {doc['dtype']} "
+                     f"causal, {doc['layout']} layout; efficiency = t(1 GPU) / ({doc['world']} · t({doc['world']} GPUs)).",
+                     "", f"| tokens | 1 GPU (s) | {doc['world']} GPUs (s) | efficiency |", "|---:|---:|---:|---:|"]
+        sections += [f"| {r['tokens']} | {r['single_s']:.3f} | {r['ring_s']:.3f} | {r['efficiency']:.3f} |"
+                     for r in doc["rows"]]
+        sections.append("")
     for kind, title in (("ladder", "The ladder on the GPU"), ("ladder-cpu", "The CPU path")):
         path = docs_dir / RESULTS / f"{kind}.json"
         if path.exists():
