@@ -128,43 +128,27 @@ def _start_exchange(x: torch.Tensor, group, step: int) -> tuple[torch.Tensor, li
 
 def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """o = sum_i exp(lse_i - lse) o_i and lse = logsumexp_i lse_i, in fp32; parts that saw no key (lse -inf)
-    add nothing. out (b, s, h, d), lse (b, h, s)."""
-    lse_all = torch.stack(lses)                                    # (parts, b, h, s)
+    add nothing. Dense parts: out (b, s, h, d), lse (b, h, s); packed: out (t, h, d), lse (h, t)."""
+    lse_all = torch.stack(lses)                                    # (parts, ..., h, s)
     lse = torch.logsumexp(lse_all, dim=0)
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     weights = torch.exp(lse_all - safe)                            # a row no part saw: every weight 0
-    out = sum(w.transpose(1, 2).unsqueeze(-1) * o.float() for w, o in zip(weights, outs))
+    out = sum(w.transpose(-1, -2).unsqueeze(-1) * o.float() for w, o in zip(weights, outs))
     return out, lse
 
 
-def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                   layout="zigzag", return_lse=False, deterministic=False):
-    """Attention of this rank's shard of queries over the whole sequence, which the ranks of `group` hold in
-    shards along dim 1 (see :func:`shard`).
-
-    Args:
-        q, k, v: this rank's shards, (batch, seqlen_local, heads, head_dim); heads_q a multiple of heads_kv.
-        causal, softmax_scale, softcap, deterministic: as in :func:`flashtile.attention`, for the whole sequence.
-        window_size: only (-1, -1) so far (a sliding window over shards needs bounds the kernels do not take).
-        layout: "zigzag" or "contiguous", as the shards were made.
-    Returns:
-        this rank's shard of the output (in q's dtype), and of the fp32 LSE (batch, heads, seqlen_local) if
-        ``return_lse``. Differentiable in q, k and v.
-    """
-    _check_layout(layout)
-    if tuple(window_size) != (-1, -1):
-        raise ValueError(f"ring_attention does not take a sliding window yet, got window_size={window_size!r}")
-    if not dist.is_initialized():
-        raise RuntimeError("ring_attention needs torch.distributed to be initialised (dist.init_process_group)")
+def _ring(q, k, v, group, layout: str, seq_dim: int, attend) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring over this rank's shards (sequence along `seq_dim`): `attend(q_chunk, k_chunk, v_chunk, q_index,
+    k_index)` gives one pair of chunks' (out, lse), or None when the mask hides the whole pair; returns this rank's
+    merged out (in q's dtype) and LSE."""
     world, rank = _world(group)
     per_rank = 2 if layout == "zigzag" else 1
-    if q.shape[1] % per_rank or k.shape[1] != q.shape[1]:
-        raise ValueError(f"q, k and v must be shards of one layout: seqlen_local {q.shape[1]} and {k.shape[1]}; "
-                         f"the {layout!r} layout holds {per_rank} equal chunk(s) per rank")
-    chunk = q.shape[1] // per_rank
-    q_chunks = q.split(chunk, dim=1)
+    if q.shape[seq_dim] % per_rank or k.shape[seq_dim] != q.shape[seq_dim]:
+        raise ValueError(f"q, k and v must be shards of one layout: {q.shape[seq_dim]} and {k.shape[seq_dim]} local "
+                         f"tokens; the {layout!r} layout holds {per_rank} equal chunk(s) per rank")
+    chunk = q.shape[seq_dim] // per_rank
+    q_chunks = q.split(chunk, dim=seq_dim)
     my_chunks = _chunks_of(rank, world, layout)
-    options = dict(softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic, return_lse=True)
     outs: list[list] = [[] for _ in q_chunks]
     lses: list[list] = [[] for _ in q_chunks]
     kv = torch.cat([k, v], dim=-1)
@@ -175,26 +159,160 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, win
         # The next step's K and V start travelling now and arrive while this step's attention runs.
         pending: list = []
         arriving = _RingShift.apply(kv, group, pending) if step + 1 < world else None
-        k_chunks, v_chunks = k_held.split(chunk, dim=1), v_held.split(chunk, dim=1)
+        k_chunks, v_chunks = k_held.split(chunk, dim=seq_dim), v_held.split(chunk, dim=seq_dim)
         for qi, qc in enumerate(my_chunks):
             for ki, kc in enumerate(_chunks_of(owner, world, layout)):
-                window = _pair_window(qc, kc, causal)
-                if window is None:
-                    continue
-                o, lse = api.attention(q_chunks[qi], k_chunks[ki], v_chunks[ki], window_size=window, **options)
-                outs[qi].append(o)
-                lses[qi].append(lse)
+                found = attend(q_chunks[qi], k_chunks[ki], v_chunks[ki], qc, kc)
+                if found is not None:
+                    outs[qi].append(found[0])
+                    lses[qi].append(found[1])
         for request in pending:  # NCCL: the current stream waits for the exchange, the host does not
             request.wait()
         if arriving is not None:
             kv = arriving
     merged = [_merge(o, lse) for o, lse in zip(outs, lses)]
-    out = torch.cat([o for o, _ in merged], dim=1).to(q.dtype)
+    out = torch.cat([o for o, _ in merged], dim=seq_dim).to(q.dtype)
     if world > 1:
         out = _Reaching.apply(out, kv)
-    if not return_lse:
-        return out
-    return out, torch.cat([lse for _, lse in merged], dim=2)
+    return out, torch.cat([lse for _, lse in merged], dim=-1)
+
+
+def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                   layout="zigzag", return_lse=False, deterministic=False):
+    """Attention of this rank's shard of queries over the whole sequence, which the ranks of `group` hold in
+    shards along dim 1 (see :func:`shard`).
+
+    Args:
+        q, k, v: this rank's shards, (batch, seqlen_local, heads, head_dim); heads_q a multiple of heads_kv.
+        causal, softmax_scale, window_size, softcap, deterministic: as in :func:`flashtile.attention`, for the
+            whole sequence (a sliding window may reach across shards).
+        layout: "zigzag" or "contiguous", as the shards were made.
+    Returns:
+        this rank's shard of the output (in q's dtype), and of the fp32 LSE (batch, heads, seqlen_local) if
+        ``return_lse``. Differentiable in q, k and v.
+    """
+    _check_layout(layout)
+    window = _whole_window(window_size, causal)
+    _check_initialized()
+    options = dict(softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic, return_lse=True)
+
+    def attend(qc, kc, vc, q_index, k_index):
+        bounds = _pair_bounds(q_index, k_index, qc.shape[1], window)
+        if bounds is None:
+            return None
+        (q0, q1), (k0, k1), pair_window = bounds
+        o, lse = api.attention(qc[:, q0:q1], kc[:, k0:k1], vc[:, k0:k1], window_size=pair_window, **options)
+        if (q0, q1) == (0, qc.shape[1]):
+            return o, lse
+        # Rows outside [q0, q1) see no key of this pair: output 0, LSE -inf (they weigh nothing in the merge).
+        rows = qc.shape[1]
+        o = torch.cat([o.new_zeros(o.shape[0], q0, *o.shape[2:]), o, o.new_zeros(o.shape[0], rows - q1, *o.shape[2:])], 1)
+        none = float("-inf")
+        lse = torch.cat([lse.new_full((*lse.shape[:2], q0), none), lse, lse.new_full((*lse.shape[:2], rows - q1), none)],
+                        2)
+        return o, lse
+
+    out, lse = _ring(q, k, v, group, layout, 1, attend)
+    return (out, lse) if return_lse else out
+
+
+def _whole_window(window_size, causal: bool) -> tuple[int, int]:
+    """The whole sequence's window (left, right) as two ints >= -1 (-1 unbounded), causal folded in (right 0)."""
+    try:
+        left, right = (int(b) for b in window_size)
+    except (TypeError, ValueError):
+        left = right = None
+    if left is None or left < -1 or right < -1:
+        raise ValueError(f"window_size must be a pair of integers >= -1 (-1 = unbounded), got {window_size!r}")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _pair_bounds(q_index: int, k_index: int, chunk: int, window: tuple[int, int]):
+    """Where chunk `q_index`'s queries meet chunk `k_index`'s keys (both `chunk` long) under the whole sequence's
+    window: (query rows [q0, q1), key rows [k0, k1), the window of that sub-problem for flashtile.attention), or
+    None when no query sees a key of the pair.
+
+    Query a of the chunk sees key b when a + delta - left <= b <= a + delta + right, delta = (q_index - k_index) x
+    chunk. The rows and keys outside the band are cut off, and the sub-problem's bottom-right-aligned window
+    (offset = its keys - its queries) is shifted to the band: both bounds come out >= 0 (or -1, unbounded)."""
+    left, right = window
+    delta = (q_index - k_index) * chunk
+    reach = abs(delta) + 2 * chunk  # an unbounded side: past every key of the pair
+    lo = reach if left < 0 else left    # keys before the diagonal a query may see
+    hi = reach if right < 0 else right  # keys after it
+    q0, q1 = max(0, -delta - hi), min(chunk, chunk - delta + lo)
+    if q0 >= q1:
+        return None
+    k0, k1 = max(0, q0 + delta - lo), min(chunk, q1 + delta + hi)
+    if k0 >= k1:
+        return None
+    shift = (k1 - k0) - (q1 - q0) - (q0 - k0 + delta)  # the sub-problem's offset minus the band's
+    pair_left = -1 if left < 0 else left + shift
+    pair_right = -1 if right < 0 else right - shift
+    return (q0, q1), (k0, k1), (pair_left, pair_right)
+
+
+def ring_varlen_attention(q, k, v, cu_seqlens, *, group=None, causal=False, softmax_scale=None, softcap=0.0,
+                          layout="zigzag", return_lse=False, deterministic=False):
+    """Ring attention over a packed batch of documents: the documents, concatenated without padding into one
+    sequence of `total` tokens, are split over the ranks like one sequence (:func:`shard` with ``seq_dim=0``),
+    and each document attends only within itself.
+
+    Args:
+        q, k, v: this rank's shards, (tokens_local, heads, head_dim); heads_q a multiple of heads_kv.
+        cu_seqlens: the documents' offsets in the whole packed sequence (documents + 1 integers from 0 to
+            `total` = tokens_local x ranks; a tensor or a list, the same on every rank).
+        causal, softmax_scale, softcap, deterministic, layout: as in :func:`ring_attention`.
+    Returns:
+        this rank's shard of the output (tokens_local, heads, head_dim_v) in q's dtype, and of the fp32 LSE
+        (heads, tokens_local) if ``return_lse``. Differentiable in q, k and v.
+    """
+    _check_layout(layout)
+    _check_initialized()
+    world, _ = _world(group)
+    parts = 2 * world if layout == "zigzag" else world
+    total = q.shape[0] * world
+    offsets = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if (len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != total
+            or any(b < a for a, b in zip(offsets, offsets[1:]))):
+        raise ValueError(f"cu_seqlens must rise from 0 to the whole packed length {total} (tokens_local x ranks), "
+                         f"got {offsets[:8]}...")
+    if total % parts:
+        raise ValueError(f"the packed length ({total}) must be a multiple of {parts} to split over {world} ranks in "
+                         f"the {layout!r} layout")
+    span = total // parts
+    pieces = {}  # chunk -> (its documents' offsets within the chunk, on q's device, and the longest piece)
+
+    def chunk_offsets(c: int):
+        if c not in pieces:
+            lo, hi = c * span, (c + 1) * span
+            lengths = [max(0, min(b, hi) - max(a, lo)) for a, b in zip(offsets, offsets[1:])]
+            cumulative = [0]
+            for n in lengths:
+                cumulative.append(cumulative[-1] + n)
+            pieces[c] = (torch.tensor(cumulative, dtype=torch.int32, device=q.device), max(lengths))
+        return pieces[c]
+
+    options = dict(softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic, return_lse=True)
+
+    def attend(qc, kc, vc, q_index, k_index):
+        # Every document of the pair, its piece of either chunk possibly empty; a document's keys in an earlier
+        # chunk all precede its queries, and in the same chunk they are the same tokens (the diagonal).
+        window = _pair_window(q_index, k_index, causal)
+        if window is None:
+            return None
+        (cu_q, max_q), (cu_k, max_k) = chunk_offsets(q_index), chunk_offsets(k_index)
+        return api.varlen_attention(qc, kc, vc, cu_q, cu_k, max_q, max_k, window_size=window, **options)
+
+    out, lse = _ring(q, k, v, group, layout, 0, attend)
+    return (out, lse) if return_lse else out
+
+
+def _check_initialized() -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("ring attention needs torch.distributed to be initialised (dist.init_process_group)")
 
 
 def _pair_window(q_chunk: int, k_chunk: int, causal: bool) -> tuple[int, int] | None:
