@@ -2,10 +2,15 @@
 
 Each rank holds a shard of q, k and v along the sequence (`shard` / `unshard`). K and V travel round the ring by
 point-to-point sends (over NCCL on its own stream, while the step before them computes); at every step a rank
-attends its queries to the key/value shard it holds with
-`flashtile.attention` (which returns the log-sum-exp), and the partial outputs merge in fp32 by their LSE. The
-sends are an autograd op whose backward sends the gradients back the other way, and the merge is ordinary torch
-arithmetic on differentiable outputs and LSEs, so autograd yields dQ, dK and dV on the ranks that own them.
+attends each of its query chunks to each key/value chunk it holds with `flashtile.attention` (which returns the
+log-sum-exp), and the partial outputs merge in fp32 by their LSE. The sends are an autograd op whose backward
+sends the gradients back the other way, and the merge is ordinary torch arithmetic on differentiable outputs and
+LSEs, so autograd yields dQ, dK and dV on the ranks that own them.
+
+Masks: the whole sequence's causal mask and sliding window become, for each pair of chunks, the rows and keys of
+the pair that the band reaches and a window shifted to their bottom-right alignment (`_pair_bounds`); a pair
+the band misses is skipped. `ring_varlen_attention` runs the same ring over a packed batch of documents, each
+pair of chunks as one varlen call over the documents' pieces in the two chunks.
 
 Layouts (how a sequence of n tokens is split over W ranks):
   "contiguous": rank r holds tokens [r n / W, (r + 1) n / W).
