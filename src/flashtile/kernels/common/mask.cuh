@@ -36,6 +36,15 @@ struct Mask {
     __device__ __forceinline__ int key_end(int row_end) const {
         return right < 0 ? seqlen_k : min(seqlen_k, max(0, row_end - 1 + offset + right + 1));
     }
+    // The key tiles a block of query rows [row_begin, row_end) visits: `count` tiles of kBlockN keys from key
+    // `begin` (a multiple of kBlockN), covering every key any of its rows may see.
+    struct Tiles { int begin, count; };
+    template <int kBlockN>
+    __device__ __forceinline__ Tiles key_tiles(int row_begin, int row_end) const {
+        const int begin = key_begin(row_begin) / kBlockN * kBlockN;
+        const int end = key_end(row_end);
+        return {begin, end > begin ? ceil_div(end - begin, kBlockN) : 0};
+    }
     // True when every (row, key) pair of the tile is allowed, so the tile needs no masking at all.
     __device__ __forceinline__ bool tile_unmasked(int row_begin, int row_end, int key0, int key1) const {
         const bool lo_ok = left < 0 || key0 >= row_end - 1 + offset - left;

@@ -125,9 +125,8 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     if (m0 >= pr.seqlen_q) return;
     const int m1 = min(m0 + kBlockM, pr.seqlen_q);
     const Mask mask(p.window_left, p.window_right, pr.seqlen_q, pr.seqlen_k);
-    const int n_begin = mask.key_begin(m0) / kBlockN * kBlockN;
-    const int n_end = mask.key_end(m1);
-    const int n_tiles = n_end > n_begin ? ceil_div(n_end - n_begin, kBlockN) : 0;
+    const Mask::Tiles tiles = mask.key_tiles<kBlockN>(m0, m1);
+    const int n_begin = tiles.begin, n_tiles = tiles.count;
 
     const u32 k_smem = smem_addr(smem.k[0]), v_smem = smem_addr(smem.v[0]);
     const u32 k_full = smem_addr(smem.k_full), v_full = smem_addr(smem.v_full);
