@@ -9,6 +9,7 @@ from .compat import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
     register_hf,
     sdpa,
 )
@@ -18,4 +19,5 @@ from .reference import attention_ref
 __version__ = "0.1.0"
 __all__ = ["attention", "varlen_attention", "attention_ref", "explain", "RUNGS", "__version__",
            "flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "sdpa", "register_hf"]
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "sdpa",
+           "register_hf"]

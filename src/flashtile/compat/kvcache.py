@@ -1,0 +1,204 @@
+"""``flash_attn_with_kvcache``: FlashAttention-2's decoding call (2.8), over flashtile's attention.
+
+One step of generation: new keys and values are written into the cache in place, rotary embeddings are applied to
+the queries and the new keys on the way, and the queries attend to each sequence's valid part of the cache.
+
+Semantics (FlashAttention-2's):
+* ``k_cache``/``v_cache`` are dense ``(batch_cache, seqlen_cache, heads_kv, d)``, or paged ``(num_blocks,
+  page_size, heads_kv, d)`` with ``block_table`` ``(batch, max_blocks)``: row ``p`` of sequence ``b`` lives in
+  block ``block_table[b, p // page_size]`` at offset ``p % page_size``.
+* ``cache_seqlens`` (an int, or ``(batch,)`` int32) counts each sequence's rows before this call, from row 0;
+  ``cache_leftpad`` (``(batch,)`` int32) is the row where its cache starts (rows before it are padding).
+  ``cache_batch_idx`` (``(batch,)`` int32) picks the dense cache's row of each query batch entry.
+* New ``k``/``v`` ``(batch, seqlen_new, heads_kv, d)`` go to rows ``cache_seqlens .. cache_seqlens + seqlen_new``.
+  The keys attended are rows ``cache_leftpad .. cache_seqlens + seqlen_new`` (bottom-right aligned for ``causal``
+  and windows, as everywhere in flashtile).
+* Rotary (``rotary_cos``/``rotary_sin`` ``(seqlen_ro, rotary_dim / 2)``, only with new keys) rotates the first
+  ``rotary_dim`` dims of each new key at its row index, and of the queries at ``cache_seqlens + i`` under a causal
+  mask or a window, else all at ``cache_seqlens``; pairs are (0, 1), (2, 3), ... when ``rotary_interleaved``,
+  else (i, i + rotary_dim / 2).
+
+How it runs: a dense cache whose sequences all have one length and no left padding is attended through views of
+its first rows (no copy: the decode kernel family on the GPU); every other case (ragged lengths, left padding,
+batch indices, paged blocks) gathers each sequence's valid rows into a packed varlen batch first, which copies
+them. ``num_splits`` is accepted and not used (the decode family picks its own split). The call reads lengths
+on the host, so it is not captured by CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..api import NO_SOFTCAP, NO_WINDOW, as_int, attention, varlen_attention
+
+INT32 = torch.int32
+
+
+def _lengths(name: str, value, batch: int, device, default: int | None = None) -> torch.Tensor:
+    """A per-sequence integer argument as an int64 (batch,) tensor on `device`: an int, or a (batch,) int32 tensor."""
+    if value is None:
+        value = default
+    integer = as_int(value)
+    if integer is not None:
+        if integer < 0:
+            raise ValueError(f"{name} must be >= 0, got {integer}")
+        return torch.full((batch,), integer, dtype=torch.int64, device=device)
+    if not isinstance(value, torch.Tensor) or value.dtype != INT32 or tuple(value.shape) != (batch,):
+        raise ValueError(f"{name} must be an int or a ({batch},) int32 tensor, got {value!r}")
+    if value.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {value.device}")
+    return value.long()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+            interleaved: bool) -> torch.Tensor:
+    """x (batch, s, heads, d) with its first rotary_dim dims rotated at `positions` (batch, s), in fp32."""
+    half = cos.shape[1]
+    c = cos[positions].float().unsqueeze(2)  # (batch, s, 1, half)
+    s = sin[positions].float().unsqueeze(2)
+    rotary = x[..., :2 * half].float()
+    if interleaved:
+        x1, x2 = rotary[..., 0::2], rotary[..., 1::2]
+        rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = rotary[..., :half], rotary[..., half:]
+        rotated = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _check_cache(q, k_cache, v_cache, block_table) -> None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', t)!r}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache and v_cache must agree but in head_dim, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    if block_table is not None:
+        if (not isinstance(block_table, torch.Tensor) or block_table.dtype != INT32 or block_table.dim() != 2
+                or block_table.shape[0] != q.shape[0]):
+            raise ValueError(f"block_table must be a ({q.shape[0]}, max_blocks) int32 tensor, got {block_table!r}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table must be on {q.device} like q, got {block_table.device}")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=NO_WINDOW, softcap=NO_SOFTCAP, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention of q over a KV cache, appending k and v to it in place first (see the module docstring).
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim).
+        k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv, head_dim[_v]), or (num_blocks, page_size, heads_kv,
+            head_dim[_v]) with block_table.
+        k, v: None, or the new keys and values (batch, seqlen_new, heads_kv, head_dim[_v]).
+        rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2) tables (with k and v only).
+        cache_seqlens: int or (batch,) int32; default: the whole cache (seqlen_cache, dense caches only).
+        cache_batch_idx, cache_leftpad: None, or (batch,) int32.
+        block_table: None, or (batch, max_blocks) int32 for a paged cache.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as in :func:`flashtile.attention`.
+        num_splits: an int >= 0, accepted for compatibility (the split is chosen internally).
+        return_softmax_lse: also return the fp32 LSE (batch, heads_q, seqlen_q).
+    Returns:
+        out (batch, seqlen_q, heads_q, head_dim_v), and the LSE if ``return_softmax_lse``.
+    """
+    _check_cache(q, k_cache, v_cache, block_table)
+    if as_int(num_splits) is None or as_int(num_splits) < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or neither)")
+    if rotary_cos is not None and k is None:
+        raise ValueError("rotary_cos/rotary_sin apply to new keys: pass k and v with them")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    batch, seqlen_q = q.shape[:2]
+    paged = block_table is not None
+    page = k_cache.shape[1]
+    capacity = block_table.shape[1] * page if paged else k_cache.shape[1]
+    if paged and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx indexes a dense cache: pass None with block_table")
+    if cache_seqlens is None and paged:
+        raise ValueError("cache_seqlens is required with a paged cache (block_table)")
+    seqlens = _lengths("cache_seqlens", cache_seqlens, batch, q.device, default=capacity)
+    leftpad = _lengths("cache_leftpad", cache_leftpad, batch, q.device, default=0)
+    rows = (torch.arange(batch, device=q.device) if cache_batch_idx is None
+            else _lengths("cache_batch_idx", cache_batch_idx, batch, q.device))
+    new = 0 if k is None else k.shape[1]
+    if k is not None:
+        for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != batch or t.shape[2:] != cache.shape[2:]:
+                raise ValueError(f"{name} must be (batch {batch}, seqlen_new, heads_kv, head_dim) like {name}_cache, "
+                                 f"got {getattr(t, 'shape', t)!r}")
+        if v.shape[1] != new:
+            raise ValueError(f"k and v must add the same number of rows, got {new} and {v.shape[1]}")
+        if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k.device != q.device or v.device != q.device:
+            raise ValueError(f"k and v must have their caches' dtype ({k_cache.dtype}) and q's device ({q.device}), "
+                             f"got {k.dtype}/{v.dtype} on {k.device}")
+    # The host checks every index the cache will be read or written at: a bad one would be a device-side assert.
+    ends = seqlens + new
+    if bool((ends > capacity).any()) or bool((leftpad > seqlens).any()) or bool((ends == leftpad).all()):
+        raise ValueError(f"cache_seqlens + seqlen_new must fit the cache ({capacity} rows), cache_leftpad must not "
+                         f"pass cache_seqlens, and some sequence must hold a key; got cache_seqlens "
+                         f"{seqlens.tolist()[:8]}, seqlen_new {new}, cache_leftpad {leftpad.tolist()[:8]}")
+    if not paged and bool(((rows < 0) | (rows >= k_cache.shape[0])).any()):
+        raise ValueError(f"cache_batch_idx must index the cache's {k_cache.shape[0]} rows, got {rows.tolist()[:8]}")
+    if paged and bool(((block_table < 0) | (block_table >= k_cache.shape[0])).any()):
+        raise ValueError(f"block_table must index the cache's {k_cache.shape[0]} blocks")
+
+    if rotary_cos is not None:
+        key_positions = seqlens[:, None] + torch.arange(new, device=q.device)[None]
+        moving = causal or tuple(window_size) != tuple(NO_WINDOW)
+        query_positions = seqlens[:, None] + (torch.arange(seqlen_q, device=q.device)[None] if moving else 0)
+        query_positions = query_positions.expand(batch, seqlen_q)
+        highest = max(int(query_positions.max()), int(key_positions.max()) if new else 0)
+        if highest >= rotary_cos.shape[0] or rotary_sin.shape != rotary_cos.shape or 2 * rotary_cos.shape[1] > q.shape[-1]:
+            raise ValueError(f"rotary_cos and rotary_sin must be (seqlen_ro, rotary_dim / 2) alike, with a row for every "
+                             f"position rotated (up to {highest}) and rotary_dim <= head_dim; got "
+                             f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        q = _rotate(q, rotary_cos, rotary_sin, query_positions, rotary_interleaved)
+        k = _rotate(k, rotary_cos, rotary_sin, key_positions, rotary_interleaved)
+    if k is not None:
+        positions = seqlens[:, None] + torch.arange(new, device=q.device)[None]   # (batch, new) cache rows
+        where = _cache_index(positions, rows, block_table, page)
+        k_cache[where] = k
+        v_cache[where] = v
+
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes, return_lse=True)
+    uniform = (not paged and cache_batch_idx is None and cache_leftpad is None
+               and (as_int(cache_seqlens) is not None or cache_seqlens is None or bool((seqlens == seqlens[0]).all())))
+    if uniform:
+        length = int(ends[0])
+        out, lse = attention(q, k_cache[:batch, :length], v_cache[:batch, :length], **options)
+    else:
+        out, lse = _ragged(q, k_cache, v_cache, leftpad, ends, rows, block_table, page, options)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _cache_index(positions: torch.Tensor, rows: torch.Tensor, block_table, page: int):
+    """Advanced indices into the cache's first two dims for row `positions` (batch, n) of each sequence."""
+    if block_table is None:
+        return rows[:, None].expand_as(positions), positions
+    blocks = block_table.long().gather(1, positions // page)
+    return blocks, positions % page
+
+
+def _ragged(q, k_cache, v_cache, starts, ends, rows, block_table, page, options):
+    """Each sequence's cache rows [start, end) gathered into one packed varlen batch, and its queries beside them."""
+    batch, seqlen_q = q.shape[:2]
+    lengths = ends - starts
+    offsets = torch.zeros(batch + 1, dtype=torch.int64, device=q.device)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    total = int(offsets[-1])
+    owner = torch.repeat_interleave(torch.arange(batch, device=q.device), lengths, output_size=total)
+    positions = starts[owner] + torch.arange(total, device=q.device) - offsets[owner]
+    if block_table is None:
+        where = (rows[owner], positions)
+    else:
+        where = (block_table.long()[owner, positions // page], positions % page)
+    keys, values = k_cache[where], v_cache[where]
+    cu_q = torch.arange(batch + 1, dtype=INT32, device=q.device) * seqlen_q
+    out, lse = varlen_attention(q.reshape(batch * seqlen_q, *q.shape[2:]), keys, values, cu_q, offsets.to(INT32),
+                                seqlen_q, max(1, int(lengths.max())), **options)
+    heads = q.shape[2]
+    return out.view(batch, seqlen_q, heads, -1), lse.view(heads, batch, seqlen_q).permute(1, 0, 2).contiguous()
