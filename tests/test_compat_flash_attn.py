@@ -41,7 +41,7 @@ def test_fa2_signatures(name):
 
 def test_fa2_names_are_exported_at_top_level():
     for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
-                 "flash_attn_kvpacked_func", "sdpa", "register_hf"):
+                 "flash_attn_kvpacked_func", "flash_attn_with_kvcache", "sdpa", "register_hf"):
         assert name in flashtile.__all__ and getattr(flashtile, name) is getattr(flashtile.compat, name)
 
 
@@ -102,10 +102,49 @@ def test_flash_attn_varlen_func_matches_each_sequence():
     torch.testing.assert_close(as_tensors, out, rtol=0, atol=0)
 
 
-def test_block_table_is_refused():
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_varlen_with_a_block_table_reads_paged_keys(page):
+    """Paged K/V (num_blocks, page, heads, d): each sequence's keys are rows 0 .. len of its blocks, which sit
+    anywhere in the pool; the result and the gradients equal the packed call's on the same keys."""
     q, k, v, cu_q, cu_k, max_q, max_k = varlen_batch()
-    with pytest.raises(ValueError, match="block_table"):
-        flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, block_table=torch.zeros(3, 1))
+    lengths = cu_k.diff().tolist()
+    blocks_per_seq = -(-max(lengths) // page)
+    pool = 3 * blocks_per_seq + 2
+    table = torch.randperm(pool, generator=torch.Generator().manual_seed(page))[:3 * blocks_per_seq].view(3, -1).int()
+    k_pages, v_pages = rand(pool, page, *k.shape[1:], seed=20), rand(pool, page, *v.shape[1:], seed=21)
+    for b, length in enumerate(lengths):
+        for row in range(length):
+            block, offset = table[b, row // page], row % page
+            k_pages[block, offset] = k[cu_k[b] + row]
+            v_pages[block, offset] = v[cu_k[b] + row]
+    k_pages.requires_grad_()
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k, causal=True,
+                                                   return_attn_probs=True, block_table=table)
+    ref_out, ref_lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                                           return_attn_probs=True)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    grad_pages, = torch.autograd.grad(out.sum(), k_pages)
+    grad_k, = torch.autograd.grad(flashtile.flash_attn_varlen_func(q, k.requires_grad_(), v, cu_q, cu_k, max_q, max_k,
+                                                                   causal=True).sum(), k)
+    for b, length in enumerate(lengths):  # every used row gets its key's gradient, unused rows none
+        for row in range(length):
+            torch.testing.assert_close(grad_pages[table[b, row // page], row % page], grad_k[cu_k[b] + row])
+    used = sum(lengths)
+    assert int((grad_pages.abs().sum(dim=(-1, -2)) > 0).sum()) == used
+
+
+def test_a_bad_block_table_is_named():
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_batch()
+    pages = rand(4, 4, *k.shape[1:], seed=3)
+    with pytest.raises(ValueError, match="block_table must be"):
+        flashtile.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, max_q, max_k, block_table=torch.zeros(3, 1))
+    with pytest.raises(ValueError, match="fit the block table"):
+        flashtile.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, max_q, max_k,
+                                         block_table=torch.zeros(3, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="index the cache"):
+        flashtile.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, max_q, max_k,
+                                         block_table=torch.full((3, 2), 9, dtype=torch.int32))
 
 
 def test_qkvpacked_gives_gradients_to_the_packed_tensor():

@@ -10,7 +10,8 @@ What differs from FlashAttention-2:
 * ``dropout_p`` must be 0: dropout is not supported yet (ValueError otherwise).
 * ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: FlashAttention-2 returns ``S_dmask``, a
   debugging tensor that encodes the dropout pattern; with no dropout there is none to return, so it is None.
-* ``block_table`` (paged KV cache) of :func:`flash_attn_varlen_func` is not supported: it must be None.
+* ``block_table`` (paged K/V) of :func:`flash_attn_varlen_func` gathers each sequence's rows out of its pages into
+  a packed batch before the call (a copy of the keys and values used; kernels that read pages in place are to come).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from numbers import Real
 import torch
 
 from ..api import NO_SOFTCAP, NO_WINDOW, as_int, attention, varlen_attention
+from .kvcache import paged_rows
 
 QKV_PACKED = 3   # q, k and v stacked along one dimension of a packed tensor
 KV_PACKED = 2    # k and v stacked along one dimension of a packed tensor
@@ -111,7 +113,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q: (total_q, heads_q, head_dim); k: (total_k, heads_kv, head_dim); v: (total_k, heads_kv, head_dim_v).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets; sequence b is rows cu[b]:cu[b + 1].
         max_seqlen_q, max_seqlen_k: the longest sequence lengths.
-        block_table: must be None (a paged KV cache is not supported).
+        block_table: None, or (batch, max_blocks) int32 with k and v paged, (num_blocks, page_size, heads_kv, d):
+            sequence b's keys are rows 0 .. cu_seqlens_k[b + 1] - cu_seqlens_k[b] of its blocks.
         Other arguments as in :func:`flash_attn_func`.
     Returns:
         out (total_q, heads_q, head_dim_v); with return_attn_probs, ``(out, softmax_lse, None)`` where
@@ -119,7 +122,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     _check_dropout(dropout_p)
     if block_table is not None:
-        raise ValueError("block_table (a paged KV cache) is not supported: pass block_table=None")
+        k, v = paged_rows(k, v, block_table, cu_seqlens_k)
     result = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int(max_seqlen_q), _as_int(max_seqlen_k),
                               causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                               alibi_slopes=alibi_slopes, return_lse=bool(return_attn_probs),

@@ -183,19 +183,48 @@ def _cache_index(positions: torch.Tensor, rows: torch.Tensor, block_table, page:
     return blocks, positions % page
 
 
+def _packed_rows(starts: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None, block_table,
+                 page: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Advanced indices of the cache rows [start, start + length) of every sequence, packed one sequence after the
+    other (dense rows `rows`, or the blocks of `block_table`), and the packed offsets (batch + 1,) int64."""
+    batch = lengths.shape[0]
+    offsets = torch.zeros(batch + 1, dtype=torch.int64, device=lengths.device)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    total = int(offsets[-1])
+    owner = torch.repeat_interleave(torch.arange(batch, device=lengths.device), lengths, output_size=total)
+    positions = starts[owner] + torch.arange(total, device=lengths.device) - offsets[owner]
+    if block_table is None:
+        return (rows[owner], positions), offsets
+    return (block_table.long()[owner, positions // page], positions % page), offsets
+
+
+def paged_rows(k, v, block_table, cu_seqlens_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed (total_k, heads_kv, d) keys and values of paged caches k, v (num_blocks, page_size, heads_kv, d):
+    sequence b's rows 0 .. len_b of its blocks, len_b from cu_seqlens_k (FlashAttention-2's varlen block_table).
+    Differentiable in k and v."""
+    _check_cache(k, k, v, None)
+    if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1 or cu_seqlens_k.numel() < 2:
+        raise ValueError(f"cu_seqlens_k must be a 1-D tensor of batch + 1 offsets, got {cu_seqlens_k!r}")
+    batch = cu_seqlens_k.numel() - 1
+    if (not isinstance(block_table, torch.Tensor) or block_table.dtype != INT32 or block_table.dim() != 2
+            or block_table.shape[0] != batch or block_table.device != k.device):
+        raise ValueError(f"block_table must be a ({batch}, max_blocks) int32 tensor on {k.device}, got {block_table!r}")
+    page = k.shape[1]
+    lengths = cu_seqlens_k.long().diff()
+    if bool((lengths < 0).any()) or bool((lengths > block_table.shape[1] * page).any()):
+        raise ValueError(f"cu_seqlens_k's lengths must fit the block table ({block_table.shape[1]} blocks of {page} "
+                         f"rows), got {lengths.tolist()[:8]}")
+    if bool(((block_table < 0) | (block_table >= k.shape[0])).any()):
+        raise ValueError(f"block_table must index the cache's {k.shape[0]} blocks")
+    where, _ = _packed_rows(torch.zeros_like(lengths), lengths, None, block_table, page)
+    return k[where], v[where]
+
+
 def _ragged(q, k_cache, v_cache, starts, ends, rows, block_table, page, options):
     """Each sequence's cache rows [start, end) gathered into one packed varlen batch, and its queries beside them."""
     batch, seqlen_q = q.shape[:2]
     lengths = ends - starts
-    offsets = torch.zeros(batch + 1, dtype=torch.int64, device=q.device)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    total = int(offsets[-1])
-    owner = torch.repeat_interleave(torch.arange(batch, device=q.device), lengths, output_size=total)
-    positions = starts[owner] + torch.arange(total, device=q.device) - offsets[owner]
-    if block_table is None:
-        where = (rows[owner], positions)
-    else:
-        where = (block_table.long()[owner, positions // page], positions % page)
+    where, offsets = _packed_rows(starts, lengths, rows, block_table, page)
     keys, values = k_cache[where], v_cache[where]
     cu_q = torch.arange(batch + 1, dtype=INT32, device=q.device) * seqlen_q
     out, lse = varlen_attention(q.reshape(batch * seqlen_q, *q.shape[2:]), keys, values, cu_q, offsets.to(INT32),
