@@ -119,7 +119,7 @@ RUNGS: tuple[Family, ...] = (
            "to them by setmaxnreg",
            Serves(_TENSOR_CORE_DTYPES, max(specs.HOPPER_FWD_TILES), _BASIC, (9, 0), extra=_hopper_why_not),
            lambda v: specs.hopper_fwd_spec(v.dtype_name, *_hopper_dims(v), hopper_tile(v)),
-           _grid_plan("attn_fwd", "FT_BLOCK_M", lambda d: (1 + d["FT_BLOCK_M"] // specs.WGMMA_M) * specs.WARPGROUP_THREADS),
+           _grid_plan("attn_fwd", "FT_BLOCK_M", lambda d: specs.hopper_fwd_threads(d["FT_BLOCK_M"])),
            rung=5, tile=hopper_tile),
 )
 BY_NAME = {r.name: r for r in RUNGS}

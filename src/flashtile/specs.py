@@ -326,9 +326,10 @@ class HopperFwdTile:
     def consumers(self) -> int:
         return self.block_m // WGMMA_M
 
-    @property
-    def threads(self) -> int:
-        return (1 + self.consumers) * WARPGROUP_THREADS
+
+def hopper_fwd_threads(block_m: int) -> int:
+    """A rung-5 block's threads: the producer warpgroup and one consumer warpgroup per 64 query rows."""
+    return (1 + block_m // WGMMA_M) * WARPGROUP_THREADS
 
 
 WARPGROUP_THREADS = 128
