@@ -209,15 +209,15 @@ def test_decode_family_choice(arch, d, dv, features, family):
         assert dict(spec.defines)["FT_BLOCK_M"] == (64 if arch == "sm_90a" else 128)
 
 
-@pytest.mark.parametrize("batch, heads_kv, seqlen_k, splits", [
-    (64, 8, 32768, 1),       # 512 blocks already fill 132 SMs twice
-    (8, 8, 131072, 8),       # 64 blocks: split the cache in 8
-    (1, 8, 65536, 64),       # 8 blocks: 64 parts of 1024 keys
-    (1, 8, 3001, 1),         # an odd length has no equal parts
-    (128, 8, 4096, 1),
-    (2, 1, 4096, 4),         # parts of at least 1024 keys
+@pytest.mark.parametrize("blocks, seqlen_k, splits", [
+    (512, 32768, 1),         # 64 x 8 blocks already fill a wave of 132
+    (64, 131072, 2),         # 64 blocks: two parts each make 128 of 132
+    (8, 65536, 16),          # 8 blocks: 16 parts of 4096 keys
+    (8, 3001, 2),            # any length: parts need not be equal, only at least 1024 keys
+    (1024, 4096, 1),
+    (2, 4096, 4),            # parts of at least 1024 keys
 ])
-def test_decode_splits_fill_the_gpu(batch, heads_kv, seqlen_k, splits):
+def test_decode_splits_fill_one_wave(blocks, seqlen_k, splits):
     from flashtile import decode
 
-    assert decode.choose_splits(batch, heads_kv, seqlen_k, sms=132) == splits
+    assert decode.choose_splits(blocks, seqlen_k, slots=132) == splits

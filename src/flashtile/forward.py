@@ -11,6 +11,9 @@ import torch
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2E)
 MAX_GRID_BATCH = 65535        # a grid's z dimension, where the kernels put the batch: larger batches go in parts
+# AttnParams' decoding fields (seqused_k, block_table, o_accum, lse_accum, block_table_batch_stride, page_size,
+# num_splits): unused by every kernel but the decode builds, whose plan (decode.py) fills them.
+NO_DECODE_FIELDS = (0, 0, 0, 0, 0, 0, 1)
 
 
 @dataclass(slots=True)
@@ -126,6 +129,7 @@ class FwdProblem:
             seqlen_q, seqlen_k, q.shape[-1], v.shape[-1],
             self.scale, self.scale * LOG2E, self.softcap,
             self.window[0], self.window[1],
+            *NO_DECODE_FIELDS,
         )
 
 

@@ -37,6 +37,8 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("head_dim", "i"), ("head_dim_v", "i"),
     ("softmax_scale", "f"), ("scale_log2", "f"), ("softcap", "f"),
     ("window_left", "i"), ("window_right", "i"),
+    ("seqused_k", "Q"), ("block_table", "Q"), ("o_accum", "Q"), ("lse_accum", "Q"),
+    ("block_table_batch_stride", "q"), ("page_size", "i"), ("num_splits", "i"),
 )
 # The backward kernels' `struct BwdParams`: an AttnParams, then these fields.
 BWD_EXTRA_FIELDS: tuple[tuple[str, str], ...] = (

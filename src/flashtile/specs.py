@@ -288,20 +288,29 @@ def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: boo
 
 # Decoding (flashtile/decode.py) on Hopper: a block's query rows are a kv head's query heads (a GQA group, 1-64
 # rows), so 64 rows halve the tensor-core work of rung 4's 128 for the same K/V bytes; 128 keys per stage keep
-# 64 KB (d128) of the cache in flight per stage. No spills on sm_90a (193 and 208 registers).
+# 64 KB (d128) of the cache per stage, and three stages keep two tiles in flight while one is computed (a paged
+# tile's block-table lookup adds a memory latency before its copies start).
 DECODE_TILES_SM90 = {
-    64: Tile(64, 128, 4, 2, 1, "a GQA group's rows: half of rung 4's mma work per key; 74 KB", tma=True),
-    128: Tile(64, 128, 4, 2, 1, "a GQA group's rows: half of rung 4's mma work per key; 144 KB", tma=True),
+    64: Tile(64, 128, 4, 3, 1, "a GQA group's rows: half of rung 4's mma work per key; 3 stages; 104 KB", tma=True),
+    128: Tile(64, 128, 4, 3, 1, "a GQA group's rows: half of rung 4's mma work per key; 3 stages; 208 KB", tma=True),
 }
+DECODE_ENTRIES = ("attn_fwd", "attn_combine")  # the parts' kernel, then the kernel that merges them
+COMBINE_WARPS = 4  # attn_combine merges one query row per warp; 4 rows per block
+
+
+def decode_tile(d: int, dv: int, arch: str) -> Tile:
+    """The decode build's tile: DECODE_TILES_SM90 on Hopper, rung 4's forward tile elsewhere."""
+    tile = DECODE_TILES_SM90.get(max(d, dv)) if arch == "sm_90a" else None
+    return tile or fwd_tile(max(d, dv), arch, False)
 
 
 def decode_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str) -> KernelSpec:
-    """Rung 4's kernel as decoding runs it: its own tile on Hopper, rung 4's elsewhere."""
+    """Rung 4's kernel built for decoding (FT_DECODE: split parts, per-sequence key counts, pages on Hopper),
+    with the kernel that merges the parts."""
     d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
-    tile = DECODE_TILES_SM90.get(max(d, dv)) if arch == "sm_90a" else None
-    if tile is None:
-        return fwd_spec(dtype, head_dim, head_dim_v, arch)
-    return KernelSpec(PIPELINED_SOURCE, ("attn_fwd",), dtype, arch, fwd_defines(d, dv, tile), fwd_smem(d, dv, tile),
+    tile = decode_tile(d, dv, arch)
+    defines = fwd_defines(d, dv, tile) + (("FT_DECODE", 1), ("FT_COMBINE_WARPS", COMBINE_WARPS))
+    return KernelSpec(PIPELINED_SOURCE, DECODE_ENTRIES, dtype, arch, defines, fwd_smem(d, dv, tile),
                       kv_maps=fwd_kv_box(tile))
 
 

@@ -18,20 +18,28 @@ Semantics (FlashAttention-2's):
   mask or a window, else all at ``cache_seqlens``; pairs are (0, 1), (2, 3), ... when ``rotary_interleaved``,
   else (i, i + rotary_dim / 2).
 
-How it runs: a dense cache whose sequences all have one length and no left padding is attended through views of
-its first rows (no copy: the decode kernel family on the GPU); every other case (ragged lengths, left padding,
-batch indices, paged blocks) gathers each sequence's valid rows into a packed varlen batch first, which copies
-them. ``num_splits`` is accepted and not used (the decode family picks its own split). The call reads lengths
-on the host, so it is not captured by CUDA graphs.
+How it runs: one query token per sequence (a decode step) is read where the cache lies by the decode kernel
+(decode.py): dense caches with ragged lengths, batch indices (one page per entry) and, on Hopper, pages of any
+multiple of 16 rows; ``num_splits`` (0: by shapes) sets the parts of each sequence's keys. A step that only reads
+(no new keys) never waits for the GPU, so it can be captured in a CUDA graph: the kernel clamps each length to
+the cache and reads zeros for a page or batch index outside it. Every other case (several query tokens, left
+padding, windows, softcap, ALiBi, pages the kernel cannot read) gathers each sequence's valid rows into a packed
+varlen batch first, which copies them; appending new keys checks every index on the host first (one wait).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..api import NO_SOFTCAP, NO_WINDOW, as_int, attention, varlen_attention
+from .. import decode, dispatch
+from ..forward import MAX_GRID_BATCH, FwdProblem
+from ..plans import ALIGN_BYTES
+from ..api import NO_SOFTCAP, NO_WINDOW, _check_options, as_int, attention, varlen_attention
 
 INT32 = torch.int32
+MIN_PAGE_ROWS = 16    # pages of a multiple of this many rows are read in place (a tensor-map box is >= 8 rows)
+MAX_KEPT_PLANS = 256  # decode plans kept by signature (shapes, strides, options)
+_plans: dict[tuple, decode.DecodePlan] = {}
 
 
 def _lengths(name: str, value, batch: int, device, default: int | None = None) -> torch.Tensor:
@@ -43,11 +51,15 @@ def _lengths(name: str, value, batch: int, device, default: int | None = None) -
         if integer < 0:
             raise ValueError(f"{name} must be >= 0, got {integer}")
         return torch.full((batch,), integer, dtype=torch.int64, device=device)
+    _check_int32(name, value, batch, device)
+    return value.long()
+
+
+def _check_int32(name: str, value, batch: int, device) -> None:
     if not isinstance(value, torch.Tensor) or value.dtype != INT32 or tuple(value.shape) != (batch,):
         raise ValueError(f"{name} must be an int or a ({batch},) int32 tensor, got {value!r}")
     if value.device != device:
         raise ValueError(f"{name} must be on {device} like q, got {value.device}")
-    return value.long()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -97,7 +109,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_batch_idx, cache_leftpad: None, or (batch,) int32.
         block_table: None, or (batch, max_blocks) int32 for a paged cache.
         softmax_scale, causal, window_size, softcap, alibi_slopes: as in :func:`flashtile.attention`.
-        num_splits: an int >= 0, accepted for compatibility (the split is chosen internally).
+        num_splits: an int >= 0: the parts each sequence's keys are split into on the decode path; 0 picks by shapes.
         return_softmax_lse: also return the fp32 LSE (batch, heads_q, seqlen_q).
     Returns:
         out (batch, seqlen_q, heads_q, head_dim_v), and the LSE if ``return_softmax_lse``.
@@ -119,6 +131,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError("cache_batch_idx indexes a dense cache: pass None with block_table")
     if cache_seqlens is None and paged:
         raise ValueError("cache_seqlens is required with a paged cache (block_table)")
+    if k is None and cache_leftpad is None and alibi_slopes is None:
+        read = _read_in_place(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, capacity,
+                              softmax_scale, window_size, softcap, int(num_splits))
+        if read is not None:
+            return read if return_softmax_lse else read[0]
     seqlens = _lengths("cache_seqlens", cache_seqlens, batch, q.device, default=capacity)
     leftpad = _lengths("cache_leftpad", cache_leftpad, batch, q.device, default=0)
     rows = (torch.arange(batch, device=q.device) if cache_batch_idx is None
@@ -134,16 +151,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k.device != q.device or v.device != q.device:
             raise ValueError(f"k and v must have their caches' dtype ({k_cache.dtype}) and q's device ({q.device}), "
                              f"got {k.dtype}/{v.dtype} on {k.device}")
-    # The host checks every index the cache will be read or written at: a bad one would be a device-side assert.
+    # The host checks every index the cache will be read or written at (a bad one would be a device-side assert),
+    # all in one read of the device: a decode step waits for the GPU once.
     ends = seqlens + new
-    if bool((ends > capacity).any()) or bool((leftpad > seqlens).any()) or bool((ends == leftpad).all()):
-        raise ValueError(f"cache_seqlens + seqlen_new must fit the cache ({capacity} rows), cache_leftpad must not "
-                         f"pass cache_seqlens, and some sequence must hold a key; got cache_seqlens "
-                         f"{seqlens.tolist()[:8]}, seqlen_new {new}, cache_leftpad {leftpad.tolist()[:8]}")
-    if not paged and bool(((rows < 0) | (rows >= k_cache.shape[0])).any()):
+    lengths_bad = (ends > capacity).any() | (leftpad > seqlens).any() | (ends == leftpad).all()
+    indices = block_table if paged else rows
+    indices_bad = ((indices < 0) | (indices >= k_cache.shape[0])).any()
+    if bool(lengths_bad | indices_bad):
+        if bool(lengths_bad):
+            raise ValueError(f"cache_seqlens + seqlen_new must fit the cache ({capacity} rows), cache_leftpad must "
+                             f"not pass cache_seqlens, and some sequence must hold a key; got cache_seqlens "
+                             f"{seqlens.tolist()[:8]}, seqlen_new {new}, cache_leftpad {leftpad.tolist()[:8]}")
+        if paged:
+            raise ValueError(f"block_table must index the cache's {k_cache.shape[0]} blocks")
         raise ValueError(f"cache_batch_idx must index the cache's {k_cache.shape[0]} rows, got {rows.tolist()[:8]}")
-    if paged and bool(((block_table < 0) | (block_table >= k_cache.shape[0])).any()):
-        raise ValueError(f"block_table must index the cache's {k_cache.shape[0]} blocks")
 
     if rotary_cos is not None:
         key_positions = seqlens[:, None] + torch.arange(new, device=q.device)[None]
@@ -163,6 +184,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k_cache[where] = k
         v_cache[where] = v
 
+    if alibi_slopes is None and cache_leftpad is None:
+        read = _read_in_place(q, k_cache, v_cache, ends.to(INT32), cache_batch_idx, block_table, capacity,
+                              softmax_scale, window_size, softcap, int(num_splits))
+        if read is not None:
+            return read if return_softmax_lse else read[0]
+
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes, return_lse=True)
     uniform = (not paged and cache_batch_idx is None and cache_leftpad is None
@@ -173,6 +200,79 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         out, lse = _ragged(q, k_cache, v_cache, leftpad, ends, rows, block_table, page, options)
     return (out, lse) if return_softmax_lse else out
+
+
+def _why_not_in_place(q, k_cache, v_cache, page_size: int | None) -> str | None:
+    """Why the decode kernel cannot read this cache where it lies (None: it can); `page_size` is the rows of a page
+    (a block table, or cache_batch_idx as one page per entry), None for a dense cache."""
+    if not q.is_cuda or q.shape[1] != 1:
+        return "one query token per sequence on a CUDA device"
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k_cache.dtype == v_cache.dtype:
+        return "fp16 or bf16 alike"
+    if not q.shape[-1] == k_cache.shape[-1] == v_cache.shape[-1] or q.shape[2] % k_cache.shape[2]:
+        return "one head dim, and heads_q a multiple of heads_kv"
+    if q.shape[0] > MAX_GRID_BATCH or any(dispatch.kernel_ready(t) is not t for t in (q, k_cache, v_cache)):
+        return "a batch a grid holds; 16-byte aligned rows and strides, a head dim that is a multiple of 8"
+    module = _module(q, k_cache, v_cache)
+    if module is None:
+        return "the decode kernel serves this GPU"
+    if page_size is not None:
+        if page_size % MIN_PAGE_ROWS:
+            return f"pages of a multiple of {MIN_PAGE_ROWS} rows"
+        if not module.spec.kv_maps.rows:
+            return "pages are read through tensor maps (Hopper)"
+    return None
+
+
+def _module(q, k_cache, v_cache):
+    """The decode family's loaded kernels for these operands, or None when the registry picks another family."""
+    family, module = dispatch.load(FwdProblem(q, k_cache, v_cache, 1.0, NO_WINDOW), "fwd")
+    return module if family is decode.FAMILY else None
+
+
+def _read_in_place(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, capacity: int, softmax_scale,
+                   window_size, softcap, num_splits: int):
+    """(out, lse) of one token per sequence read by the decode kernel where the cache lies, or None when it cannot
+    be (then the caller gathers). Nothing here reads a device tensor: the kernel clamps each length to the cache,
+    and a page or batch index outside the cache reads zeros (tensor maps are bounded), so a decode step never waits
+    for the GPU and can be captured in a CUDA graph."""
+    if not q.is_cuda or q.shape[1] != 1:
+        return None
+    batch = q.shape[0]
+    scale, window, cap = _check_options(q, softmax_scale, window_size, softcap, None, batch, capacity + 1)
+    if window[0] != -1 or cap != 0:  # one token's window cuts keys on the left; softcap is rung 4's
+        return None
+    seqused = None
+    if cache_seqlens is None:
+        seqlen_k = capacity
+    elif as_int(cache_seqlens) is not None:
+        seqlen_k = as_int(cache_seqlens)
+        if not 0 < seqlen_k <= capacity:
+            raise ValueError(f"cache_seqlens must be in [1, {capacity}] (the cache's rows), got {seqlen_k}")
+    else:
+        _check_int32("cache_seqlens", cache_seqlens, batch, q.device)
+        seqused, seqlen_k = cache_seqlens, capacity
+    if cache_batch_idx is not None:  # a dense cache indexed by batch entry: one page per entry
+        _check_int32("cache_batch_idx", cache_batch_idx, batch, q.device)
+        block_table = cache_batch_idx[:, None]
+    if block_table is None:
+        k_cache, v_cache = k_cache[:batch, :seqlen_k], v_cache[:batch, :seqlen_k]
+    if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % ALIGN_BYTES:
+        return None
+    paged = block_table is not None
+    key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), q.dtype, q.device,
+           scale, num_splits, seqlen_k, block_table.stride(0) if paged else None)
+    if key not in _plans:
+        if len(_plans) >= MAX_KEPT_PLANS:
+            _plans.clear()
+        page_size = k_cache.shape[1] if paged else None
+        _plans[key] = None if _why_not_in_place(q, k_cache, v_cache, page_size) else decode.build(
+            q, k_cache, v_cache, scale, _module(q, k_cache, v_cache), want_lse=True, seqlen_k=seqlen_k,
+            page_size=page_size, block_table_stride=block_table.stride(0) if paged else 0, splits=num_splits)
+    plan = _plans[key]
+    if plan is None:
+        return None
+    return plan.run(q, k_cache, v_cache, seqused_k=seqused, block_table=block_table)
 
 
 def _cache_index(positions: torch.Tensor, rows: torch.Tensor, block_table, page: int):

@@ -36,6 +36,15 @@ struct AttnParams {
     float scale_log2;         // softmax_scale * log2(e), for kernels that run the softmax in base 2
     float softcap;            // 0 = off
     int window_left, window_right;  // -1 = unbounded; causal is window_right = 0
+
+    // Decoding only (kernels built with FT_DECODE, flashtile/decode.py); zero for every other kernel.
+    const int* seqused_k;      // (batch,): keys each sequence uses, at most seqlen_k; null: seqlen_k
+    const int* block_table;    // paged K/V: (batch, blocks) page indices; k/v_batch_stride then step pages
+    float* o_accum;            // split-KV: (splits, batch, heads_q, seqlen_q, head_dim_v) normalised partial outputs
+    float* lse_accum;          // split-KV: (splits, batch, heads_q, seqlen_q) their log-sum-exps
+    i64 block_table_batch_stride;
+    int page_size;             // rows per page of a paged cache
+    int num_splits;            // parts of each sequence's keys, one block each; 1: no split
 };
 
 // Where one (batch, head) problem lives: its sequence lengths and the element offsets of its rows.

@@ -40,6 +40,13 @@ constexpr bool kSoftcap = FT_SOFTCAP;
 constexpr bool kAlibi = FT_ALIBI;
 constexpr bool kWide = FT_WIDE_BLOCKS;     // 128-byte swizzle blocks (common/tile.cuh)
 constexpr bool kTmaKv = FT_TMA_KV;         // K/V ring fed by the tensor memory accelerator (sm_90)
+#ifndef FT_DECODE
+#define FT_DECODE 0
+#endif
+// Decode builds (flashtile/decode.py): a block's rows are one kv head's query heads; each sequence's keys may be
+// split into parts (p.num_splits) whose normalised outputs and LSEs go to fp32 scratch for attn_combine below;
+// p.seqused_k counts each sequence's keys; on Hopper K/V may live in pages (p.block_table).
+constexpr bool kDecode = FT_DECODE;
 
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kSlabs = kBlockM / (kWarps * kMmaM);  // 16-row slabs per warp
@@ -76,6 +83,45 @@ template <bool B> struct Bool { static constexpr bool value = B; };
 constexpr float kRescaleThreshold = 8.f;
 constexpr u32 kElemBytes = sizeof(elem_t);
 
+// Zeros in rows [first, kBlockN) of a V stage (decode builds, the tile that ends a sequence's keys). The stage is
+// refilled by the copy engine later: the fence orders these ordinary stores before its writes.
+__device__ __forceinline__ void zero_rows_from(elem_t* tile, int first) {
+    constexpr int kVecsPerRow = kHeadDimV / kChunkElems;
+    for (int idx = max(first, 0) * kVecsPerRow + threadIdx.x; idx < kBlockN * kVecsPerRow; idx += kThreads)
+        *reinterpret_cast<uint4*>(tile + VTile::offset(idx / kVecsPerRow, (idx % kVecsPerRow) * kChunkElems)) =
+            make_uint4(0, 0, 0, 0);
+    fence_proxy_async();
+}
+
+// A split part's epilogue (decode builds): each row's normalised output and log-sum-exp, in fp32, at
+// (split, b, h, row) of p.o_accum / p.lse_accum. `row0` is the lane's first row (the slab's row g).
+__device__ __forceinline__ void store_part(const AttnParams& p, const float (&o)[kSlabs][kOutTiles][4],
+                                           const float (&row_max)[kSlabs][2], const float (&row_sum)[kSlabs][2],
+                                           float log2_factor, int split, int b, int h, int row0, int seqlen_q,
+                                           int t) {
+    const i64 part_rows = (((i64)split * p.batch + b) * p.heads_q + h) * p.seqlen_q;
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + sl * kMmaM + 8 * half;
+            const float l = quad_sum(row_sum[sl][half]);
+            const float inv_l = saw_keys(l) ? 1.f / l : 0.f;
+            if (row >= seqlen_q) continue;
+            float* out = p.o_accum + (part_rows + row) * p.head_dim_v;
+#pragma unroll
+            for (int j = 0; j < kOutTiles; ++j) {
+                const int col = j * kMmaN + 2 * t;
+                if (col < p.head_dim_v)
+                    *reinterpret_cast<float2*>(out + col) =
+                        make_float2(o[sl][j][2 * half] * inv_l, o[sl][j][2 * half + 1] * inv_l);
+            }
+            if (t == 0)
+                p.lse_accum[part_rows + row] =
+                    saw_keys(l) ? (row_max[sl][half] * log2_factor + __log2f(l)) / kLog2e : kNegInf;
+        }
+}
+
 extern "C" __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
 attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps maps) {
     extern __shared__ __align__(kSwizzle64Period) unsigned char smem_raw[];
@@ -84,15 +130,29 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int g = lane / kQuad, t = lane % kQuad;
 
-    // Heaviest blocks first: under a causal mask the last query block sees the most keys.
-    const int m_block = gridDim.x - 1 - blockIdx.x;
+    // Heaviest blocks first: under a causal mask the last query block sees the most keys. Decode builds: the
+    // grid's x holds (query block, part of the keys) pairs.
+    int m_block = gridDim.x - 1 - blockIdx.x, split = 0;
+    if constexpr (kDecode) {
+        const int m_blocks = gridDim.x / p.num_splits;
+        split = blockIdx.x / m_blocks;
+        m_block = m_blocks - 1 - blockIdx.x % m_blocks;
+    }
     const int h = blockIdx.y, b = blockIdx.z;
-    const Problem pr = locate_problem(p, b, h);
+    Problem pr = locate_problem(p, b, h);
+    if constexpr (kDecode) {
+        if (p.seqused_k != nullptr) pr.seqlen_k = max(0, min(p.seqused_k[b], pr.seqlen_k));
+    }
     const int m0 = m_block * kBlockM;
     if (m0 >= pr.seqlen_q) return;
     const int m1 = min(m0 + kBlockM, pr.seqlen_q);
     const Mask mask(p.window_left, p.window_right, pr.seqlen_q, pr.seqlen_k);
-    const Mask::Tiles tiles = mask.key_tiles<kBlockN>(m0, m1);
+    Mask::Tiles tiles = mask.key_tiles<kBlockN>(m0, m1);
+    if constexpr (kDecode) {  // this block's part: an equal share of the key tiles, possibly none
+        const int share = (tiles.count + p.num_splits - 1) / p.num_splits;
+        tiles.begin += split * share * kBlockN;
+        tiles.count = max(0, min(share, tiles.count - split * share));
+    }
     const int n_begin = tiles.begin, n_tiles = tiles.count;
 
     // 32-bit shared-memory addresses of the tiles (ldmatrix and cp.async take these directly).
@@ -109,6 +169,39 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     // past the sequence read zeros (past the tensor) or the next sequence's keys: the mask hides both.
     const u32 kv_full = smem_addr(smem.kv_full);
     const int map_row0 = (int)pr.k_start, map_head = h / p.group, map_batch = p.cu_seqlens_k != nullptr ? 0 : b;
+    // Paged K/V (decode builds on Hopper): the maps see the pages as (head dim, page rows, kv heads, pages) with
+    // boxes of `page_rows` rows, the largest power of two dividing the page size, at most a tile. Each box of a
+    // tile is looked up in the block table; boxes past the sequence start at row page_size of its first page, out
+    // of the map, so they arrive as zeros.
+    // Paged K/V (decode builds on Hopper): the maps see the pages as (head dim, page rows, kv heads, pages) with
+    // boxes of `page_rows` rows, the largest power of two dividing the page size, at most a tile. Warp 0 loads a
+    // tile, lane i its box i; each lane reads its box's page index one load ahead (tiles load in order), so the
+    // block table's latency stays off the loop. Boxes past the sequence start at row page_size of its first page,
+    // out of the map, so they arrive as zeros.
+    const int page_rows = kDecode ? min(p.page_size & -p.page_size, kBlockN) : kBlockN;
+    const int* pages = kDecode ? p.block_table + b * p.block_table_batch_stride : nullptr;
+    const bool box_lane = warp == 0 && lane * page_rows < kBlockN;
+    auto page_index = [&](int key) { return pages[key < pr.seqlen_k ? key / p.page_size : 0]; };
+    int next_page = kDecode && p.block_table != nullptr && box_lane ? page_index(n_begin + lane * page_rows) : 0;
+    auto load_paged_kv = [&](int n0, int stage, u32 bar) {
+        if (!box_lane) return;
+        const int page = next_page, key = n0 + lane * page_rows;
+        next_page = page_index(key + kBlockN);
+        const int row = key < pr.seqlen_k ? key % p.page_size : p.page_size;
+        const u32 k_dst = k_smem + stage * kKStageBytes + lane * page_rows * KTile::kBlockCols * kElemBytes;
+        const u32 v_dst = v_smem + stage * kVStageBytes + lane * page_rows * VTile::kBlockCols * kElemBytes;
+#pragma unroll
+        for (int blk = 0; blk < kHeadDim / KTile::kBlockCols; ++blk)
+            tma_load_4d(k_dst + blk * kBlockN * KTile::kBlockCols * kElemBytes, maps.k, blk * KTile::kBlockCols, row,
+                        map_head, page, bar);
+#pragma unroll
+        for (int blk = 0; blk < kHeadDimV / VTile::kBlockCols; ++blk)
+            tma_load_4d(v_dst + blk * kBlockN * VTile::kBlockCols * kElemBytes, maps.v, blk * VTile::kBlockCols, row,
+                        map_head, page, bar);
+    };
+    if constexpr (kDecode && !kTmaKv) {
+        if (p.block_table != nullptr) __trap();  // paged K/V is read through tensor maps only
+    }
     if constexpr (kTmaKv) {
         if (threadIdx.x == 0) {
             for (int s = 0; s < kStages; ++s) mbarrier_init(kv_full + s * kMbarrierBytes, 1);
@@ -119,8 +212,15 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     auto load_kv = [&](int tile, int stage) {
         const int n0 = n_begin + tile * kBlockN;
         if constexpr (kTmaKv) {
-            if (threadIdx.x != 0) return;
             const u32 bar = kv_full + stage * kMbarrierBytes;
+            if constexpr (kDecode) {
+                if (p.block_table != nullptr) {
+                    if (threadIdx.x == 0) mbarrier_arrive_expect_bytes(bar, kKStageBytes + kVStageBytes);
+                    load_paged_kv(n0, stage, bar);
+                    return;
+                }
+            }
+            if (threadIdx.x != 0) return;
             mbarrier_arrive_expect_bytes(bar, kKStageBytes + kVStageBytes);
 #pragma unroll
             for (int blk = 0; blk < kHeadDim / KTile::kBlockCols; ++blk)
@@ -305,6 +405,12 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
         } else {
             cp_async_wait<kRingInFlight>();
             if constexpr (kTmaKv) mbarrier_wait(kv_full + (it % kStages) * kMbarrierBytes, (it / kStages) & 1);
+            if constexpr (kDecode && kTmaKv) {
+                // A cache's rows past a sequence's keys may hold anything, NaN included, and a masked score's
+                // zero probability times NaN is NaN: V's rows past the keys become zeros before P V reads them.
+                const int first_past = pr.seqlen_k - (n_begin + it * kBlockN);
+                if (first_past < kBlockN) zero_rows_from(smem.v[it % kStages], first_past);
+            }
             __syncthreads();  // tile `it` is visible to all; every warp has finished with tile it-1's buffer
             if (it + kStages - 1 < n_tiles) load_kv(it + kStages - 1, (it + kStages - 1) % kStages);
             cp_async_commit();
@@ -316,6 +422,13 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     }
     cp_async_wait<0>();  // with no visible key tile, Q may still be in flight ...
     __syncthreads();     // ... from any thread, into rows another warp is about to overwrite with O
+
+    if constexpr (kDecode) {
+        if (p.num_splits > 1) {  // this part's normalised rows and LSEs, in fp32, for attn_combine
+            store_part(p, o, row_max, row_sum, log2_factor, split, b, h, m0 + warp_row0 + g, pr.seqlen_q, t);
+            return;
+        }
+    }
 
     // Epilogue: normalise, stage this warp's rows of O over its own rows of Q, store 16 bytes at a time.
     elem_t* out = static_cast<elem_t*>(p.o) + pr.o_offset;
@@ -345,3 +458,44 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
                 *reinterpret_cast<const uint4*>(smem.q + OTile::offset(local_row, col));
     }
 }
+
+#if FT_DECODE
+// attn_combine, the decode build's second kernel: the parts of each query row merge by their log-sum-exps,
+// lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s; one warp per row, 4 columns per lane. A row whose
+// parts saw no key gets zeros and -inf; a NaN in any part's LSE or output reaches the row.
+constexpr int kCombineWarps = FT_COMBINE_WARPS;  // query rows per block
+
+extern "C" __global__ void __launch_bounds__(kCombineWarps * kWarpSize)
+attn_combine(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps) {
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;
+    const i64 at = (i64)blockIdx.x * kCombineWarps + warp;
+    if (at >= rows) return;
+    const int row = at % p.seqlen_q, h = (at / p.seqlen_q) % p.heads_q, b = at / ((i64)p.seqlen_q * p.heads_q);
+
+    float m = kNegInf;
+    for (int s = lane; s < p.num_splits; s += kWarpSize) m = fmaxf(m, p.lse_accum[s * rows + at]);
+    m = warp_max(m);
+    auto weight = [&](int s) {
+        const float lse_s = p.lse_accum[s * rows + at];
+        return lse_s == kNegInf ? 0.f : __expf(lse_s - m);
+    };
+    float sum = 0.f;
+    for (int s = lane; s < p.num_splits; s += kWarpSize) sum += weight(s);
+    sum = warp_sum(sum);
+    const float inv_sum = saw_keys(sum) ? 1.f / sum : 0.f;
+
+    elem_t* out = static_cast<elem_t*>(p.o) + b * p.o_batch_stride + row * p.o_row_stride + h * p.o_head_stride;
+    for (int col = 4 * lane; col < p.head_dim_v; col += 4 * kWarpSize) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s = 0; s < p.num_splits; ++s) {
+            const float w = weight(s) * inv_sum;
+            const float4 part = *reinterpret_cast<const float4*>(p.o_accum + (s * rows + at) * p.head_dim_v + col);
+            acc.x += w * part.x; acc.y += w * part.y; acc.z += w * part.z; acc.w += w * part.w;
+        }
+        *reinterpret_cast<uint2*>(out + col) = make_uint2(pack2<elem_t>(acc.x, acc.y), pack2<elem_t>(acc.z, acc.w));
+    }
+    if (p.lse != nullptr && lane == 0)
+        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row] = saw_keys(sum) ? m + __logf(sum) : kNegInf;
+}
+#endif
