@@ -2,8 +2,8 @@
 # The GPU machine's work, in calls that fit its 10-minute limit. Logs and results go to $OUT; a short
 # summary is printed last. Usage: scripts/gpu.sh MODE, where MODE is
 #   tests  every test, the sanitizers (memcheck, racecheck, synccheck) and `flashtile check`
-#   bench  `flashtile bench ladder`, the standard matrix (training and inference forward, backward) and the host
-#          overhead beside sdpa-flash
+#   bench  `flashtile bench ladder`, the standard matrix (training and inference forward, backward), the decode
+#          rows (contiguous and paged caches) and the host overhead beside sdpa-flash
 #   quick  the GPU kernel tests only;  tune  bench plus the tile sweeps of scripts/tune_*.py
 set -uo pipefail
 MODE=${1:-tests}
@@ -39,6 +39,7 @@ fi
 if [ "$MODE" = bench ] || [ "$MODE" = tune ]; then
     step bench bench.log python3 -m flashtile bench ladder --shape 4,16,4096,64 --dtype bf16 --out "$OUT/docs"
     step matrix matrix.log python3 -m flashtile bench matrix --out "$OUT/docs"
+    step decode decode.log python3 -m flashtile bench decode --out "$OUT/docs"
     step overhead overhead.log python3 scripts/overhead.py --out "$OUT/docs"
     [ "$MODE" = bench ] && step hf hf.log python3 -m pytest -q -p no:cacheprovider tests/test_hf_gpu.py
 fi
@@ -46,12 +47,13 @@ if [ "$MODE" = tune ]; then
     step tune tune.log python3 scripts/tune_fwd.py
     step tune_bwd tune_bwd.log python3 scripts/tune_bwd.py
 fi
-touch "$OUT/pytest.log" "$OUT/overhead.log" "$OUT/bench.log" "$OUT/matrix.log"
+touch "$OUT/pytest.log" "$OUT/overhead.log" "$OUT/bench.log" "$OUT/matrix.log" "$OUT/decode.log"
 grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest.log" | cut -c1-300 | head -n 30
 tail -n 3 "$OUT/pytest.log"
 cat "$OUT/overhead.log"
 tail -n 25 "$OUT/bench.log"
 tail -n 80 "$OUT/matrix.log" | cut -c1-160
+tail -n 12 "$OUT/decode.log" | cut -c1-200
 # At most 8 files come back from the GPU machine: fold the logs into one.
 for log in "$OUT"/*.log; do echo "===== $(basename "$log")"; cat "$log"; done >"$OUT/logs.txt"
 rm -f "$OUT"/*.log

@@ -138,12 +138,19 @@ def cmd_compile(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from .bench import decode as decode_bench
     from .bench import ladder as ladder_bench
     from .bench import matrix as matrix_bench
     from .bench import report
     from .bench.system import describe
 
-    if args.what == "matrix":
+    if args.what == "decode":
+        if not torch.cuda.is_available():
+            print("No CUDA GPU here: the decode benchmark needs one.")
+            return 1
+        doc = decode_bench.run(_DTYPES[args.dtype], reps=args.reps, quick=args.quick,
+                               progress=lambda r: print(f"  {decode_bench.progress_line(r)}", flush=True))
+    elif args.what == "matrix":
         if not torch.cuda.is_available():
             print("No CUDA GPU here: the standard matrix needs one (try `flashtile bench ladder` for the CPU path).")
             return 1
@@ -209,12 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("compile", help="precompile every kernel spec for this GPU or --arch")
     p.add_argument("--arch", type=_arch, help="target such as sm_80, sm_89, sm_90a (default: this GPU)")
     p = sub.add_parser("bench", help="time flashtile beside torch's SDPA backends")
-    p.add_argument("what", nargs="?", default="matrix", choices=["matrix", "ladder"],
-                   help="matrix (default): the standard matrix of TARGETS.md; ladder: every rung at one shape")
+    p.add_argument("what", nargs="?", default="matrix", choices=["matrix", "ladder", "decode"],
+                   help="matrix (default): the standard matrix of TARGETS.md; ladder: every rung at one shape; "
+                        "decode: one query token against contiguous and paged caches, in TB/s")
     p.add_argument("--shape", type=_shape, default=(4, 16, 4096, 64), help="batch,heads,seqlen,head_dim")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--reps", type=int, default=30, help="timed runs per kernel (median reported)")
+    p.add_argument("--quick", action="store_true", help="decode only: a smoke run (short caches, few runs)")
     p.add_argument("--out", help="docs folder to write results/ and performance.md into (default: write no files); "
                                  "the repository's own docs take --out docs")
     p = sub.add_parser("explain", help="which kernel serves a call and why, its tile, FLOPs, bytes and roofline bound")
@@ -230,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", type=_arch, help="explain for this target without a GPU (e.g. sm_90a); default: this GPU")
     p.add_argument("--no-time", action="store_true", help="do not time the call on the GPU")
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.quick and args.what != "decode":
+        parser.error("--quick applies to `flashtile bench decode` only")
     commands = {"info": cmd_info, "check": cmd_check, "compile": cmd_compile, "bench": cmd_bench,
                 "explain": cmd_explain}
     return commands[args.command](args)
