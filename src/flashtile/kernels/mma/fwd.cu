@@ -139,20 +139,26 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
         m_block = m_blocks - 1 - blockIdx.x % m_blocks;
     }
     const int h = blockIdx.y, b = blockIdx.z;
-    Problem pr = locate_problem(p, b, h);
-    if constexpr (kDecode) {
-        if (p.seqused_k != nullptr) pr.seqlen_k = max(0, min(p.seqused_k[b], pr.seqlen_k));
-    }
+    const Problem pr = [&] {
+        Problem located = locate_problem(p, b, h);
+        if constexpr (kDecode) {
+            if (p.seqused_k != nullptr) located.seqlen_k = max(0, min(p.seqused_k[b], located.seqlen_k));
+        }
+        return located;
+    }();
     const int m0 = m_block * kBlockM;
     if (m0 >= pr.seqlen_q) return;
     const int m1 = min(m0 + kBlockM, pr.seqlen_q);
     const Mask mask(p.window_left, p.window_right, pr.seqlen_q, pr.seqlen_k);
-    Mask::Tiles tiles = mask.key_tiles<kBlockN>(m0, m1);
-    if constexpr (kDecode) {  // this block's part: an equal share of the key tiles, possibly none
-        const int share = (tiles.count + p.num_splits - 1) / p.num_splits;
-        tiles.begin += split * share * kBlockN;
-        tiles.count = max(0, min(share, tiles.count - split * share));
-    }
+    const Mask::Tiles tiles = [&] {
+        Mask::Tiles visited = mask.key_tiles<kBlockN>(m0, m1);
+        if constexpr (kDecode) {  // this block's part: an equal share of the key tiles, possibly none
+            const int share = (visited.count + p.num_splits - 1) / p.num_splits;
+            visited.begin += split * share * kBlockN;
+            visited.count = max(0, min(share, visited.count - split * share));
+        }
+        return visited;
+    }();
     const int n_begin = tiles.begin, n_tiles = tiles.count;
 
     // 32-bit shared-memory addresses of the tiles (ldmatrix and cp.async take these directly).
@@ -177,7 +183,9 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     // boxes of `page_rows` rows, the largest power of two dividing the page size, at most a tile. Warp 0 loads a
     // tile, lane i its box i; each lane reads its box's page index one load ahead (tiles load in order), so the
     // block table's latency stays off the loop. Boxes past the sequence start at row page_size of its first page,
-    // out of the map, so they arrive as zeros.
+    // out of the map, so they arrive as zeros. Guarded by the preprocessor: left to dead-code elimination, this
+    // state made ptxas spill in rung 4's d128 Hopper build.
+#if FT_DECODE
     const int page_rows = kDecode ? min(p.page_size & -p.page_size, kBlockN) : kBlockN;
     const int* pages = kDecode ? p.block_table + b * p.block_table_batch_stride : nullptr;
     const bool box_lane = warp == 0 && lane * page_rows < kBlockN;
@@ -199,6 +207,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
             tma_load_4d(v_dst + blk * kBlockN * VTile::kBlockCols * kElemBytes, maps.v, blk * VTile::kBlockCols, row,
                         map_head, page, bar);
     };
+#endif
     if constexpr (kDecode && !kTmaKv) {
         if (p.block_table != nullptr) __trap();  // paged K/V is read through tensor maps only
     }
@@ -212,15 +221,18 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     auto load_kv = [&](int tile, int stage) {
         const int n0 = n_begin + tile * kBlockN;
         if constexpr (kTmaKv) {
-            const u32 bar = kv_full + stage * kMbarrierBytes;
+#if FT_DECODE
             if constexpr (kDecode) {
                 if (p.block_table != nullptr) {
+                    const u32 bar = kv_full + stage * kMbarrierBytes;
                     if (threadIdx.x == 0) mbarrier_arrive_expect_bytes(bar, kKStageBytes + kVStageBytes);
                     load_paged_kv(n0, stage, bar);
                     return;
                 }
             }
+#endif
             if (threadIdx.x != 0) return;
+            const u32 bar = kv_full + stage * kMbarrierBytes;
             mbarrier_arrive_expect_bytes(bar, kKStageBytes + kVStageBytes);
 #pragma unroll
             for (int blk = 0; blk < kHeadDim / KTile::kBlockCols; ++blk)
