@@ -102,6 +102,28 @@ def test_flash_attn_varlen_func_matches_each_sequence():
     torch.testing.assert_close(as_tensors, out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("extra_q,extra_k", [(5, 3), (4, 0), (0, 6)])
+def test_varlen_rows_past_the_last_sequence_are_padding(extra_q, extra_k):
+    """As in FlashAttention-2, packed tensors may be longer than their sequences (batches padded to fixed sizes, as
+    for CUDA graphs): the extra rows, here NaN, are not attended; their outputs are zero, their LSE -inf, and they get
+    no gradient."""
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_batch()
+    ref_out, ref_lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                                           return_attn_probs=True)
+    padded = [torch.cat([t, torch.full((extra, *t.shape[1:]), float("nan"))]).requires_grad_()
+              for t, extra in ((q, extra_q), (k, extra_k), (v, extra_k))]
+    out, lse, _ = flashtile.flash_attn_varlen_func(*padded, cu_q, cu_k, max_q, max_k, causal=True,
+                                                   return_attn_probs=True)
+    used = q.shape[0]
+    assert out.shape == padded[0].shape and lse.shape == (q.shape[1], used + extra_q)
+    torch.testing.assert_close(out[:used], ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse[:, :used], ref_lse, rtol=0, atol=0)
+    assert bool((out[used:] == 0).all()) and bool(torch.isneginf(lse[:, used:]).all())
+    out.sum().backward()
+    for t, rows in zip(padded, (used, k.shape[0], v.shape[0])):
+        assert bool(t.grad[:rows].isfinite().all()) and bool((t.grad[rows:] == 0).all())
+
+
 @pytest.mark.parametrize("page", [1, 4, 16])
 def test_varlen_with_a_block_table_reads_paged_keys(page):
     """Paged K/V (num_blocks, page, heads, d): each sequence's keys are rows 0 .. len of its blocks, which sit

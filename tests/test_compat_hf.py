@@ -1,6 +1,7 @@
 """The Hugging Face front door: register_hf and the "flashtile" and "tile_attention" implementations."""
 
 import copy
+import functools
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import flashtile
-from compat_helpers import ATOL, bhsd, no_fallback
+from compat_helpers import ATOL, bhsd, generate_batch, no_fallback
 from flashtile.compat import FallbackWarning, hf
 
 pytestmark = pytest.mark.usefixtures("fresh_warnings")
@@ -35,8 +36,14 @@ def test_match_pattern_reads_masks():
 
 
 def transformers_major():
+    return transformers_version()[0]
+
+
+def transformers_version() -> tuple[int, int]:
+    """(major, minor) of the installed transformers; skips the test where it is missing."""
     transformers = pytest.importorskip("transformers")
-    return int(transformers.__version__.split(".")[0])
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def tile_name():
@@ -174,6 +181,11 @@ def test_register_hf_registers_both_names_idempotently(flash_name):
     loader = flash_loader()
     assert loader._lazy_imports.flashtile_loader and not hasattr(loader._lazy_imports.__wrapped__, "flashtile_loader")
     assert loader._loaded_implementation == flash_name and hf._primed(loader)
+    assert loader._lazy_imports(hf.PAGED_IMPLEMENTATION)[1] is flashtile.flash_attn_varlen_func   # continuous batching
+    if hf.PAGED_TWIN in functions:   # 5.0, 5.17: continuous batching asks for "paged|flashtile"
+        assert functions[hf.PAGED_IMPLEMENTATION] is functions[hf.PAGED_TWIN]
+    else:
+        assert hf.PAGED_IMPLEMENTATION not in functions
 
 
 def test_register_hf_on_transformers_4_registers_tile_attention_only(monkeypatch):
@@ -256,6 +268,99 @@ def flash_mask_keeps_static_cache_slots():
     from transformers.masking_utils import flash_attention_mask
 
     return flash_attention_mask(1, 2, 4, attention_mask=torch.ones(1, 2, dtype=torch.bool)) is not None
+
+
+NEW_TOKENS = 24
+PROMPT_LENGTHS = (5, 13, 9)
+PAD_ID = 0
+CPU_BATCHING = {"num_blocks": 4, "max_batch_tokens": 64}  # a small paged cache (not sized from the machine's memory)
+CB_ON_CPU_SINCE = (5, 17)   # 5.0 sizes continuous batching's cache from CUDA, XPU or MPS memory only
+CB_WITHOUT_PSUTIL_SINCE = (5, 24)  # 5.17 reads the CPU's free memory with psutil and fails without it; 5.24 does not
+
+
+def skip_without_cpu_batching():
+    """Skip where transformers' continuous batching cannot run on the CPU (tested: 5.0, 5.17 without psutil)."""
+    version, name = transformers_version(), sys.modules["transformers"].__version__
+    if torch.cuda.is_available():  # it then sizes its cache with CUDA's memory calls; tests/test_hf_gpu.py runs it there
+        pytest.skip("transformers' continuous batching runs on the GPU where one is present (tests/test_hf_gpu.py)")
+    if version < CB_ON_CPU_SINCE:
+        pytest.skip(f"transformers {name} runs continuous batching on CUDA, XPU or MPS only")
+    if version < CB_WITHOUT_PSUTIL_SINCE:
+        pytest.importorskip("psutil", reason=f"transformers {name} needs psutil for continuous batching on the CPU")
+
+
+def random_prompts(seed=24):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def greedy_generate(model, prompts, **options):
+    """The NEW_TOKENS greedy tokens `generate` gives each prompt, the prompts batched with left padding."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID,
+                         **options)
+    return out[:, width:].tolist()
+
+
+def greedy_generate_batch(model, prompts, **options):
+    """The NEW_TOKENS greedy tokens continuous batching gives each prompt."""
+    return [out.generated_tokens for out in generate_batch(model, prompts, NEW_TOKENS, **CPU_BATCHING, **options)]
+
+
+@pytest.mark.parametrize("setting", ["dynamic-cache", "static-cache", "continuous-batching"])
+def test_hf_flashtile_greedy_generation_as_sdpa(setting, flash_name, flash_calls):
+    """Prompts of three lengths, NEW_TOKENS greedy tokens each: the same tokens as sdpa, every call served."""
+    if setting == "continuous-batching":
+        skip_without_cpu_batching()
+        generate = greedy_generate_batch
+    else:
+        options = {"cache_implementation": "static"} if setting == "static-cache" else {}
+        generate = functools.partial(greedy_generate, **options)
+    ours, theirs = model_pair(flash_name, eos_token_id=None)   # no end of sequence: every prompt gets NEW_TOKENS
+    prompts = random_prompts()
+    tokens = generate(ours, prompts)
+    served = list(flash_calls)
+    assert tokens == generate(theirs, prompts)
+    assert [len(t) for t in tokens] == [NEW_TOKENS] * len(prompts)
+    assert set(served) == {("varlen", True, (-1, -1))}   # padded batches in generate, packed ones in batching
+    layers = 2
+    if setting == "continuous-batching":   # a forward pass per token at least (a scheduler may split a prefill)
+        assert len(served) % layers == 0 and len(served) >= layers * NEW_TOKENS
+    else:                                  # the prefill, then one forward pass per further token
+        assert len(served) == layers * NEW_TOKENS
+
+
+def test_hf_flashtile_continuous_batching_with_batches_padded_as_for_cuda_graphs(flash_name, flash_calls,
+                                                                                  monkeypatch):
+    """On CUDA, continuous batching pads its batches to fixed sizes to capture them in CUDA graphs (its default for
+    a flash name): packed q, k and v then have rows past the last sequence. Forced here on the CPU."""
+    skip_without_cpu_batching()
+    model_runner = pytest.importorskip("transformers.generation.continuous_batching.model_runner")
+    from flashtile.compat import flash_attn as fa
+
+    unpadded = model_runner.ModelRunner.__init__
+
+    def padding(self, *args, **kwargs):
+        unpadded(self, *args, **kwargs)
+        self.pad_inputs = True
+
+    used_rows, padded = fa._used_rows, []
+
+    def spy(*args):
+        padded.append(used_rows(*args))
+        return padded[-1]
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", padding)
+    monkeypatch.setattr(fa, "_used_rows", spy)
+    ours, theirs = model_pair(flash_name, eos_token_id=None)
+    prompts = random_prompts()
+    padding_sizes = {"q_padding_interval_size": 16, "kv_padding_interval_size": 32}
+    tokens = greedy_generate_batch(ours, prompts, **padding_sizes)
+    assert any(rows is not None for rows in padded), "no padded batch reached flashtile"
+    assert tokens == greedy_generate_batch(theirs, prompts, **padding_sizes)
+    assert flash_calls and set(flash_calls) == {("varlen", True, (-1, -1))}
 
 
 def test_hf_flashtile_packed_sequences_do_not_attend_across(flash_name, flash_calls):

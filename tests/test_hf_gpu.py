@@ -1,4 +1,5 @@
-"""A tiny Llama from transformers trained on the H200 with attn_implementation="flashtile", beside torch SDPA (bf16)."""
+"""A tiny Llama from transformers trained and generating on the H200 with attn_implementation="flashtile", beside
+torch SDPA (bf16)."""
 
 import copy
 import warnings
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 import flashtile
+from compat_helpers import generate_batch
 from flashtile.compat import FallbackWarning
 from flashtile.compat import flash_attn as fa
 
@@ -25,6 +27,16 @@ LOSS_AGREEMENT = 0.05     # final losses of flashtile and sdpa within 5% of the 
 BF16_LOGIT_TOL = 5e-2     # two bf16 implementations of one model: logits agree to bf16's ~3 significant digits
 GRAD_COSINE = 0.99        # loss gradients point the same way in every parameter
 PADDING = 37              # left padding of the first row in the padded case
+NEW_TOKENS = 24           # greedy tokens generated for each prompt
+PROMPT_LENGTHS = (37, 100, 150)
+PAD_ID = 0
+# Greedy tokens of two bf16 implementations agree only where the model is decided: their logits differ by up to
+# BF16_LOGIT_TOL each way, so where sdpa's top two logits are closer than twice that, either token is a faithful
+# greedy choice and the generations may part (a random tiny Llama meets such near ties within a few tokens: on the
+# CPU, bf16 sdpa and bf16 flashtile part on one prompt in three). Up to the first near tie the tokens must be equal;
+# at every step the token must be sdpa's greedy choice within GREEDY_TIE, with the log-probability sdpa gives it.
+GREEDY_TIE = 2 * BF16_LOGIT_TOL
+CUDA_BATCHING = {"num_blocks": 16, "max_batch_tokens": 512}  # a paged cache of 4096 tokens, not sized from memory
 
 
 def _model(implementation: str):
@@ -90,3 +102,86 @@ def test_llama_loss_falls_over_training_as_with_sdpa():
     ours, sdpa = losses["ours"], losses["sdpa"]
     assert ours[-1] < ours[0] - LOSS_DROP, ours
     assert abs(ours[-1] - sdpa[-1]) < LOSS_AGREEMENT * sdpa[0], (ours, sdpa)
+
+
+def _generating_pair():
+    """_pair() without an end-of-sequence token, so that every prompt gets NEW_TOKENS (a random model may emit it)."""
+    pair = _pair()
+    for model in pair:
+        model.generation_config.eos_token_id = None
+    return pair
+
+
+def _prompts():
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(0, CONFIG["vocab_size"], (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def _generate(model, prompts, **options):
+    """Each prompt's NEW_TOKENS greedy tokens and their log-probabilities from `generate`, the prompts batched with
+    left padding."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in prompts], device="cuda")
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID,
+                         output_logits=True, return_dict_in_generate=True, **options)
+    tokens = out.sequences[:, width:]
+    logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).gather(2, tokens[..., None])[..., 0]
+    return tokens.tolist(), logprobs.tolist()
+
+
+def _generate_batch(model, prompts, **options):
+    """Each prompt's NEW_TOKENS greedy tokens and their log-probabilities from continuous batching."""
+    outputs = generate_batch(model, prompts, NEW_TOKENS, return_logprobs=True, **CUDA_BATCHING, **options)
+    return [out.generated_tokens for out in outputs], [out.logprobs for out in outputs]
+
+
+def _assert_greedy_as_sdpa(sdpa, prompts, generated, reference):
+    """`generated` (tokens, log-probabilities) is sdpa's greedy generation up to near ties (GREEDY_TIE): the tokens
+    equal sdpa's own `reference` tokens up to the first near tie, and each one is, for its prefix, within GREEDY_TIE
+    of sdpa's best logit with sdpa's log-probability within GREEDY_TIE."""
+    for prompt, tokens, logprobs, expected in zip(prompts, *generated, reference):
+        assert len(tokens) == len(logprobs) == NEW_TOKENS
+        with torch.no_grad():
+            logits = sdpa(torch.tensor([prompt + tokens], device="cuda"), use_cache=False).logits
+        logits = logits[0, len(prompt) - 1:-1].float()   # the logits that chose each generated token
+        chosen = torch.tensor(tokens, device="cuda")[:, None]
+        top = logits.topk(2).values
+        gaps = top[:, 0] - logits.gather(1, chosen)[:, 0]
+        assert bool((gaps <= GREEDY_TIE).all()), gaps.tolist()
+        torch.testing.assert_close(torch.tensor(logprobs, device="cuda"),
+                                   logits.log_softmax(-1).gather(1, chosen)[:, 0], rtol=0, atol=GREEDY_TIE)
+        ties = (top[:, 0] - top[:, 1] < GREEDY_TIE).nonzero()
+        decided = int(ties[0]) if len(ties) else NEW_TOKENS
+        assert tokens[:decided] == expected[:decided], (decided, tokens, expected)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "static-compiled"])
+def test_llama_generates_greedy_tokens_as_sdpa(cache, served):
+    """`generate` with a dynamic cache and with a static one, eager and as transformers compiles it by default on
+    CUDA; the prompts are batched with left padding, so every call is served by flashtile's varlen function."""
+    ours, theirs = _generating_pair()
+    prompts = _prompts()
+    static = {"cache_implementation": "static"} if cache != "dynamic" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        generated = _generate(ours, prompts, disable_compile=cache != "static-compiled", **static)
+    reference, _ = _generate(theirs, prompts, disable_compile=True, **static)
+    layers = CONFIG["num_hidden_layers"]
+    if cache == "static-compiled":   # the prefill runs eagerly; compiled steps need not reach Python
+        assert served[:layers] == ["varlen"] * layers and set(served) == {"varlen"}
+    else:
+        assert served == ["varlen"] * (layers * NEW_TOKENS)
+    _assert_greedy_as_sdpa(theirs, prompts, generated, reference)
+
+
+@pytest.mark.parametrize("graphs", [None, False], ids=["cuda-graphs", "no-graphs"])
+def test_llama_continuous_batching_generates_greedy_tokens_as_sdpa(graphs, served):
+    """`generate_batch`: continuous batching with its paged cache; by default (use_cuda_graph None) transformers
+    captures CUDA graphs of a flash implementation's batches, padded to fixed sizes."""
+    ours, theirs = _generating_pair()
+    prompts = _prompts()
+    generated = _generate_batch(ours, prompts, use_cuda_graph=graphs)
+    reference, _ = _generate_batch(theirs, prompts, use_cuda_graph=False)
+    assert served and set(served) == {"varlen"}   # replayed graphs do not reach Python: no count
+    _assert_greedy_as_sdpa(theirs, prompts, generated, reference)

@@ -273,6 +273,12 @@ def _check_device(q, rung) -> None:
         raise ValueError(f"q, k and v must be CPU or CUDA tensors, got device {q.device}")
 
 
+def host_readable(device) -> bool:
+    """Whether the values of tensors on `device` can be read on the host now: not while torch.compile traces, nor
+    while a CUDA graph is being captured on the current stream."""
+    return not (torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+
+
 def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, device) -> int:
     """Validate one cu_seqlens tensor; returns the batch size."""
     if not isinstance(cu, torch.Tensor):
@@ -283,7 +289,7 @@ def _check_cu_seqlens(name: str, cu, total: int, max_seqlen, max_name: str, devi
         raise ValueError(f"{name} must be on {device} like q, got {cu.device}")
     if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 1:
         raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
-    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if not host_readable(device):
         return cu.numel() - 1  # values cannot be read while tracing or capturing; the caller vouches for them
     values = cu.tolist()
     lengths = [b - a for a, b in zip(values, values[1:])]

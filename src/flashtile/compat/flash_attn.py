@@ -12,6 +12,12 @@ What differs from FlashAttention-2:
   debugging tensor that encodes the dropout pattern; with no dropout there is none to return, so it is None.
 * ``block_table`` (paged K/V) of :func:`flash_attn_varlen_func` gathers each sequence's rows out of its pages into
   a packed batch before the call (a copy of the keys and values used; kernels that read pages in place are to come).
+
+As in FlashAttention-2, packed varlen tensors may have rows past the last sequence (``cu_seqlens[-1]`` below their
+length): padding, as batches padded to fixed sizes for CUDA graphs have (transformers' continuous batching pads so).
+Those rows are not attended; their outputs are zero and their softmax_lse -inf, except while a CUDA graph is
+captured or torch.compile traces, where the offsets cannot be read and the rows' outputs are left unspecified, as
+FlashAttention-2 leaves them.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from numbers import Real
 
 import torch
 
-from ..api import NO_SOFTCAP, NO_WINDOW, as_int, attention, varlen_attention
+from ..api import NO_SOFTCAP, NO_WINDOW, as_int, attention, host_readable, varlen_attention
 from .kvcache import paged_rows
 
 QKV_PACKED = 3   # q, k and v stacked along one dimension of a packed tensor
@@ -59,6 +65,35 @@ def _result(result, return_attn_probs: bool):
         return result
     out, softmax_lse = result
     return out, softmax_lse, None
+
+
+def _used_rows(q, k, v, cu_seqlens_q, cu_seqlens_k) -> tuple[int, int] | None:
+    """(rows of q, rows of k and v) that the sequences use, when the packed tensors have padding rows past them.
+
+    None when there are none, when the offsets cannot be read now, or when the arguments are malformed (the checks
+    of flashtile's API then say what is wrong).
+    """
+    offsets = (cu_seqlens_q, cu_seqlens_k)
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v, *offsets)) or not host_readable(q.device):
+        return None
+    if q.dim() == 0 or k.dim() == 0 or v.dim() == 0 or k.shape[0] != v.shape[0]:
+        return None
+    if any(t.dim() != 1 or t.numel() < 2 or t.device != q.device for t in offsets):
+        return None
+    used = tuple(torch.stack([t[-1].long() for t in offsets]).tolist())
+    rows = (q.shape[0], k.shape[0])
+    if used == rows or not all(0 <= u <= r for u, r in zip(used, rows)):
+        return None
+    return used
+
+
+def _padded(result, rows: int, return_lse: bool):
+    """The varlen result over the used rows, extended to `rows` query rows: zero outputs, softmax_lse -inf."""
+    out, softmax_lse = result if return_lse else (result, None)
+    out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, rows - out.shape[0]))
+    if softmax_lse is None:
+        return out
+    return out, torch.nn.functional.pad(softmax_lse, (0, rows - softmax_lse.shape[-1]), value=float("-inf"))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW, softcap=NO_SOFTCAP,
@@ -115,7 +150,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         max_seqlen_q, max_seqlen_k: the longest sequence lengths.
         block_table: None, or (batch, max_blocks) int32 with k and v paged, (num_blocks, page_size, heads_kv, d):
             sequence b's keys are rows 0 .. cu_seqlens_k[b + 1] - cu_seqlens_k[b] of its blocks.
-        Other arguments as in :func:`flash_attn_func`.
+        Other arguments as in :func:`flash_attn_func`. Rows past the last sequence are padding (module docstring).
     Returns:
         out (total_q, heads_q, head_dim_v); with return_attn_probs, ``(out, softmax_lse, None)`` where
         softmax_lse is fp32 (heads_q, total_q).
@@ -123,10 +158,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_dropout(dropout_p)
     if block_table is not None:
         k, v = paged_rows(k, v, block_table, cu_seqlens_k)
+    used = _used_rows(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    rows_q = q.shape[0] if used is not None else None
+    if used is not None:
+        q, k, v = q[:used[0]], k[:used[1]], v[:used[1]]
     result = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int(max_seqlen_q), _as_int(max_seqlen_k),
                               causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                               alibi_slopes=alibi_slopes, return_lse=bool(return_attn_probs),
                               deterministic=deterministic)
+    if used is not None:
+        result = _padded(result, rows_q, bool(return_attn_probs))
     return _result(result, return_attn_probs)
 
 

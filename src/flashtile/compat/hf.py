@@ -3,7 +3,8 @@
 :func:`register_hf` registers both names with transformers and returns the one to use. ``"flashtile"``
 (transformers >= 5) is a FlashAttention implementation served by flashtile's FlashAttention-2 functions;
 ``"tile_attention"`` (>= 4.53) takes sdpa's masks and falls back to sdpa for those it cannot read. docs/hf.md
-describes both: supported versions, padding, packed sequences, the KV cache and what is not served.
+describes both: supported versions, padding, packed sequences, the KV cache, continuous batching and what is not
+served.
 """
 
 from __future__ import annotations
@@ -28,11 +29,22 @@ PADDING_REASON = "an attention mask with padding, packed sequences or a custom p
 MIN_TRANSFORMERS = "4.53"          # the first with AttentionMaskInterface (and the oldest tested)
 MIN_TRANSFORMERS_FLASH = 5         # the first major version whose flash loader is keyed by name
 MASK_MEMO_SIZE = 8                  # masks remembered: a model passes the same one or two masks to every layer
-FLASH_MASK_OF = "flash_attention_2"  # whose mask builder "flashtile" shares
+FLASH_TWIN = "flash_attention_2"    # whose mask builder "flashtile" shares (and whose paged function, below)
+# Continuous batching (generate_batch) in transformers 5.0 and 5.17 switches a model to "paged|<its implementation>"
+# and calls that name's function with the paged cache; 5.24 keeps "flashtile" and has no "paged|flash_attention_2".
+# Where that name exists, "paged|flashtile" is registered with its function, which writes the new keys and values
+# into the cache, reads each sequence's back and calls the loader's varlen function (flashtile's, for both names).
+PAGED_PREFIX = "paged|"
+PAGED_IMPLEMENTATION = PAGED_PREFIX + ATTN_IMPLEMENTATION
+PAGED_TWIN = PAGED_PREFIX + FLASH_TWIN
+LOADED_NAMES = (ATTN_IMPLEMENTATION, PAGED_IMPLEMENTATION)  # the names the loader serves flashtile's functions for
 # transformers.modeling_flash_attention_utils: the loader and the state it keeps, all of which must exist
 LOADER_NAMES = ("lazy_import_flash_attention", "_lazy_imports", "_loaded_implementation", "_flash_fn",
                 "_flash_varlen_fn", "_pad_fn", "_unpad_fn", "_pad_input", "_unpad_input")
-KVCACHE_SLOT = "_flash_with_kvcache_fn"  # present (5.17, 5.24): the loader returns 5 functions; absent (5.0): 4
+# Present (5.17, 5.24): the loader returns 5 functions; absent (5.0): 4. Left None: transformers calls
+# flash_attn_with_kvcache only on continuous batching's decode fast path, which it takes only for names matching
+# "flash...2" or "flash...3" on CUDA (ensure_decode_fast_path_is_available), never for "flashtile".
+KVCACHE_SLOT = "_flash_with_kvcache_fn"
 LOADER_STATE = ("_lazy_imports", "_loaded_implementation", "_flash_fn", "_flash_varlen_fn", KVCACHE_SLOT,
                 "_pad_fn", "_unpad_fn", "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn")
 
@@ -66,6 +78,9 @@ def register_hf() -> str:
     flash_mask = _install_flash_loader(transformers.__version__)
     AttentionInterface.register(ATTN_IMPLEMENTATION, flashtile_flash_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_mask)
+    paged = AttentionInterface().get(PAGED_TWIN)
+    if paged is not None:
+        AttentionInterface.register(PAGED_IMPLEMENTATION, paged)
     return ATTN_IMPLEMENTATION
 
 
@@ -76,15 +91,15 @@ def _flash_capable(version: str) -> bool:
 
 
 def _loader_functions(fau) -> tuple:
-    """What ``_lazy_imports("flashtile")`` returns: flashtile's FA2 functions, in the version's order."""
+    """What ``_lazy_imports`` returns for LOADED_NAMES: flashtile's FA2 functions, in the version's order."""
     kvcache = (None,) if hasattr(fau, KVCACHE_SLOT) else ()
     return (flash_attn_func, flash_attn_varlen_func, *kvcache, fau._pad_input, fau._unpad_input)
 
 
 def _wrap_loader(original):
-    """transformers' ``_lazy_imports`` with the name "flashtile" added; any other name is passed on unchanged."""
+    """transformers' ``_lazy_imports`` with "flashtile" and "paged|flashtile" added; other names pass unchanged."""
     def _lazy_imports(implementation, *args, **kwargs):
-        if implementation == ATTN_IMPLEMENTATION:
+        if implementation in LOADED_NAMES:
             return _loader_functions(sys.modules["transformers.modeling_flash_attention_utils"])
         return original(implementation, *args, **kwargs)
 
@@ -94,11 +109,16 @@ def _wrap_loader(original):
     return _lazy_imports
 
 
+def _holds_flashtile(fau) -> bool:
+    """Whether transformers' loader holds flashtile's functions."""
+    return (fau._flash_fn is flash_attn_func and fau._flash_varlen_fn is flash_attn_varlen_func
+            and fau._pad_fn is fau._pad_input and fau._unpad_fn is fau._unpad_input
+            and getattr(fau, KVCACHE_SLOT, None) is None)
+
+
 def _primed(fau) -> bool:
     """Whether transformers' loader holds flashtile's functions under the name "flashtile"."""
-    return (fau._loaded_implementation == ATTN_IMPLEMENTATION and fau._flash_fn is flash_attn_func
-            and fau._flash_varlen_fn is flash_attn_varlen_func and fau._pad_fn is fau._pad_input
-            and fau._unpad_fn is fau._unpad_input and getattr(fau, KVCACHE_SLOT, None) is None)
+    return fau._loaded_implementation == ATTN_IMPLEMENTATION and _holds_flashtile(fau)
 
 
 def _install_flash_loader(version: str):
@@ -117,9 +137,9 @@ def _install_flash_loader(version: str):
     except ImportError as error:
         raise ImportError(advice + f"{error}" + fallback) from error
     missing = [name for name in LOADER_NAMES if not hasattr(fau, name)]
-    flash_mask = AttentionMaskInterface().get(FLASH_MASK_OF)
+    flash_mask = AttentionMaskInterface().get(FLASH_TWIN)
     if flash_mask is None:
-        missing.append(f"masking_utils.AttentionMaskInterface[{FLASH_MASK_OF!r}]")
+        missing.append(f"masking_utils.AttentionMaskInterface[{FLASH_TWIN!r}]")
     if missing:
         raise ImportError(advice + "missing " + ", ".join(missing) + fallback)
 
@@ -128,7 +148,7 @@ def _install_flash_loader(version: str):
     original = current.__wrapped__ if getattr(current, "flashtile_loader", False) else current
     try:
         fau._lazy_imports = _wrap_loader(original)
-        if fau._loaded_implementation == ATTN_IMPLEMENTATION and not _primed(fau):
+        if fau._loaded_implementation in LOADED_NAMES and not _holds_flashtile(fau):
             fau._loaded_implementation = None  # stale (e.g. this module reloaded): load again
         fau.lazy_import_flash_attention(ATTN_IMPLEMENTATION)
         if not _primed(fau):
