@@ -64,6 +64,11 @@ def rows_view(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return t.as_strided((b, g, heads_kv, d), (t.stride(0), t.stride(2), g * t.stride(2), t.stride(3)))
 
 
+def _out_shape(q: torch.Tensor, head_dim_v: int) -> tuple[int, ...] | None:
+    """The output's shape where it differs from q's (plans.empty_outputs' convention)."""
+    return None if q.shape[-1] == head_dim_v else (*q.shape[:-1], head_dim_v)
+
+
 def _lse_view(lse: torch.Tensor, heads_kv: int) -> torch.Tensor:
     """The LSE (batch, heads_q, 1) as (batch, heads_kv, group): the rows view's layout (a view)."""
     b, h, _ = lse.shape
@@ -76,7 +81,6 @@ class DecodePlan:
     launches: tuple[launch.Launch, ...]  # the parts' kernel, then the combine when the keys are split
     batch: int
     heads_q: int
-    heads_kv: int
     splits: int
     head_dim_v: int
     want_lse: bool
@@ -84,16 +88,14 @@ class DecodePlan:
     decode_sizes: tuple                  # block_table_batch_stride, page_size, num_splits
     kv_box: specs.KvBox
 
-    def _out_shape(self, q: torch.Tensor) -> tuple[int, ...] | None:
-        return None if q.shape[-1] == self.head_dim_v else (*q.shape[:-1], self.head_dim_v)
-
     def run(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, out=None, seqused_k=None,
             block_table=None):
         """(out, lse): out (batch, 1, heads_q, dv), lse (batch, heads_q, 1) if wanted; fresh, or written into `out`
         = (o, lse). k and v are the cache (batch, rows, heads_kv, d), or its pages (blocks, page_size, heads_kv, d)
         with `block_table`; `seqused_k` (batch,) int32 counts each sequence's keys (None: every row)."""
         b = self.batch
-        o, lse = out or plans.empty_outputs(q, self._out_shape(q), (b, self.heads_q, 1) if self.want_lse else None)
+        lse_shape = (b, self.heads_q, 1) if self.want_lse else None
+        o, lse = out or plans.empty_outputs(q, _out_shape(q, self.head_dim_v), lse_shape)
         accum = lse_accum = 0
         if self.splits > 1:
             rows = b * self.heads_q
@@ -132,8 +134,7 @@ def build(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, modul
     if splits <= 0:
         splits = choose_splits(b * hkv * m_blocks, seqlen_k, _slots(q.device.index, spec.smem_bytes))
     splits = max(1, min(splits, key_tiles))
-    o, lse = outputs or plans.empty_outputs(q, None if q.shape[-1] == dv else (b, 1, hq, dv),
-                                            (b, hq, 1) if want_lse else None)
+    o, lse = outputs or plans.empty_outputs(q, _out_shape(q, dv), (b, hq, 1) if want_lse else None)
     view = FwdProblem(rows_view(q, hkv), k, v, scale, (-1, -1), want_lse=want_lse)
     fields = launch.PARAM_FIELDS
     values = dict(zip((name for name, _ in fields),
@@ -145,7 +146,7 @@ def build(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, modul
     if splits > 1:
         per_block = defines["FT_COMBINE_WARPS"]
         steps.append(launch.Launch(module.kernels["attn_combine"], (-(-b * hq // per_block), 1, 1), per_block * 32, 0))
-    return DecodePlan(tuple(steps), b, hq, hkv, splits, dv, want_lse, tail,
+    return DecodePlan(tuple(steps), b, hq, splits, dv, want_lse, tail,
                       (block_table_stride, page_size or 0, splits), _box(spec, page_size))
 
 

@@ -176,21 +176,17 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     const u32 kv_full = smem_addr(smem.kv_full);
     const int map_row0 = (int)pr.k_start, map_head = h / p.group, map_batch = p.cu_seqlens_k != nullptr ? 0 : b;
     // Paged K/V (decode builds on Hopper): the maps see the pages as (head dim, page rows, kv heads, pages) with
-    // boxes of `page_rows` rows, the largest power of two dividing the page size, at most a tile. Each box of a
-    // tile is looked up in the block table; boxes past the sequence start at row page_size of its first page, out
-    // of the map, so they arrive as zeros.
-    // Paged K/V (decode builds on Hopper): the maps see the pages as (head dim, page rows, kv heads, pages) with
     // boxes of `page_rows` rows, the largest power of two dividing the page size, at most a tile. Warp 0 loads a
     // tile, lane i its box i; each lane reads its box's page index one load ahead (tiles load in order), so the
     // block table's latency stays off the loop. Boxes past the sequence start at row page_size of its first page,
     // out of the map, so they arrive as zeros. Guarded by the preprocessor: left to dead-code elimination, this
     // state made ptxas spill in rung 4's d128 Hopper build.
 #if FT_DECODE
-    const int page_rows = kDecode ? min(p.page_size & -p.page_size, kBlockN) : kBlockN;
-    const int* pages = kDecode ? p.block_table + b * p.block_table_batch_stride : nullptr;
+    const int page_rows = min(p.page_size & -p.page_size, kBlockN);
+    const int* pages = p.block_table + b * p.block_table_batch_stride;
     const bool box_lane = warp == 0 && lane * page_rows < kBlockN;
     auto page_index = [&](int key) { return pages[key < pr.seqlen_k ? key / p.page_size : 0]; };
-    int next_page = kDecode && p.block_table != nullptr && box_lane ? page_index(n_begin + lane * page_rows) : 0;
+    int next_page = p.block_table != nullptr && box_lane ? page_index(n_begin + lane * page_rows) : 0;
     auto load_paged_kv = [&](int n0, int stage, u32 bar) {
         if (!box_lane) return;
         const int page = next_page, key = n0 + lane * page_rows;
@@ -222,13 +218,11 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
         const int n0 = n_begin + tile * kBlockN;
         if constexpr (kTmaKv) {
 #if FT_DECODE
-            if constexpr (kDecode) {
-                if (p.block_table != nullptr) {
-                    const u32 bar = kv_full + stage * kMbarrierBytes;
-                    if (threadIdx.x == 0) mbarrier_arrive_expect_bytes(bar, kKStageBytes + kVStageBytes);
-                    load_paged_kv(n0, stage, bar);
-                    return;
-                }
+            if (p.block_table != nullptr) {
+                const u32 bar = kv_full + stage * kMbarrierBytes;
+                if (threadIdx.x == 0) mbarrier_arrive_expect_bytes(bar, kKStageBytes + kVStageBytes);
+                load_paged_kv(n0, stage, bar);
+                return;
             }
 #endif
             if (threadIdx.x != 0) return;
