@@ -47,15 +47,18 @@ ops.backward_op(torch.randn_like(out), qv, qv, qv, out, lse, lying, lying, 40, 4
 q = torch.randn(2, 70, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 out, lse = flashtile.attention(q, q, q, causal=True, return_lse=True)
 torch.autograd.grad((out, lse), q, (torch.randn_like(out), torch.randn_like(lse)))
-# Decoding: the split parts and their merge, ragged lengths (one past the cache, one empty), pages of 16 and 48
-# rows with one index outside the pool (the tensor maps bound every read).
+# Decoding: the split parts and their merge (d256: the cp.async build), ragged lengths (one past the cache, one
+# empty), pages of 16, 32, 48 (row-group builds) and 64 rows with one index outside the pool (the tensor maps bound
+# every read).
+wide = torch.randn(2, 1500, 2, 256, device="cuda", dtype=torch.bfloat16)
+flashtile.attention(torch.randn(2, 1, 8, 256, device="cuda", dtype=torch.bfloat16), wide, wide, return_lse=True)
 q = torch.randn(3, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
 cache = torch.randn(3, 3000, 2, 128, device="cuda", dtype=torch.bfloat16)
 flashtile.attention(q, cache, cache, return_lse=True)
 lengths = torch.tensor([2999, 0, 5000], dtype=torch.int32, device="cuda")
 flashtile.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths, num_splits=3, return_softmax_lse=True)
 if torch.cuda.get_device_capability() == (9, 0):
-    for page in (16, 48):
+    for page in (16, 32, 48, 64):
         pages = torch.randn(3 * -(-3000 // page), page, 2, 128, device="cuda", dtype=torch.bfloat16)
         table = torch.randperm(pages.shape[0], device="cuda").view(3, -1).int()
         table[1, 2] = pages.shape[0] + 7

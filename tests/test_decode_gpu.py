@@ -125,7 +125,7 @@ def _cache_case(layout: str, dtype, seed: int, new: int = 0):
     return q, k_cache, v_cache, kwargs, where
 
 
-@pytest.mark.parametrize("layout", ["dense", "batch-idx", "paged-16", "paged-48", "paged-256"])
+@pytest.mark.parametrize("layout", ["dense", "batch-idx", "paged-16", "paged-32", "paged-48", "paged-96", "paged-256"])
 @pytest.mark.parametrize("num_splits", [0, 1, 5])
 def test_a_cache_is_read_in_place(layout, num_splits, in_place_only, poisoned_outputs):
     q, k_cache, v_cache, kwargs, where = _cache_case(layout, torch.bfloat16, seed=len(layout) + num_splits)

@@ -206,7 +206,27 @@ def test_decode_family_choice(arch, d, dv, features, family):
     assert chosen.name == family
     if family == "decode":
         assert spec.source == registry.choose(_variant("fwd", d, dv, arch, features), "pipelined")[1].source
-        assert dict(spec.defines)["FT_BLOCK_M"] == (64 if arch == "sm_90a" else 128)
+        assert dict(spec.defines)["FT_BLOCK_M"] == specs.DECODE_BLOCK_M  # one GQA group's slab, keys shared by warps
+
+
+@pytest.mark.parametrize("arch, page_size, head_dim, rows", [
+    ("sm_90a", 16, 128, 16), ("sm_90a", 48, 128, 16),    # one copy per page and tile: row groups of 16
+    ("sm_90a", 32, 64, 32), ("sm_90a", 96, 128, 32),
+    ("sm_90a", 64, 128, 0), ("sm_90a", 256, 128, 0),     # a column block's box is large enough
+    ("sm_90a", 16, 80, 0),                               # a box would span past the head dim
+    ("sm_90a", 16, 256, 0),                              # d256 decodes with cp.async: no maps
+    ("sm_80", 16, 128, 0),
+])
+def test_small_pages_take_the_row_group_build(arch, page_size, head_dim, rows):
+    from flashtile import decode
+
+    spec = specs.decode_spec("bf16", head_dim, head_dim, arch)
+    assert decode.group_rows(spec, page_size, head_dim) == rows
+    if rows:
+        grouped = specs.decode_spec("bf16", head_dim, head_dim, arch, rows)
+        assert dict(grouped.defines)["FT_KV_GROUP_ROWS"] == rows
+        assert grouped.kv_maps == specs.KvBox(rows, specs.NARROW_BOX_COLS, head_dim // specs.NARROW_BOX_COLS)
+        assert grouped in registry.all_specs(arch)  # CI compiles it
 
 
 @pytest.mark.parametrize("blocks, seqlen_k, splits", [

@@ -10,7 +10,7 @@ def test_tensor_maps_are_kept_by_address_shape_strides_and_dtype(monkeypatch):
     """Encoding a map costs ~11 us of host time: the same view of the same memory reuses its map."""
     encoded = []
     monkeypatch.setattr(tma, "_encode",
-                        lambda t, rows, cols: encoded.append((t.shape, rows, cols)) or bytes(tma.MAP_BYTES))
+                        lambda t, box: encoded.append((t.shape, box.rows, box.cols)) or bytes(tma.MAP_BYTES))
     tma._kept.clear()
     k = torch.zeros(2, 64, 4, 128, dtype=torch.bfloat16)
     assert len(tma.kv_maps(k, k, KvBox(64, 32))) == 2 * tma.MAP_BYTES

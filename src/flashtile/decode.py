@@ -10,7 +10,8 @@ decode build of the same kernel (specs.decode_spec, FT_DECODE) runs a reshaped p
   fill the GPU; the parts write normalised outputs and log-sum-exps in fp32, and a second kernel
   (attn_combine) merges them: o = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s;
 * a cache may hold more rows than a sequence uses (`seqused_k`, per sequence, read on the device) and may be
-  paged (`block_table`, on Hopper: the tensor maps read each page in place).
+  paged (`block_table`, on Hopper: the tensor maps read each page in place; pages of 16 or 32 rows take a build
+  whose K/V tiles are stored in groups of a page's rows, one copy per page: `group_rows`).
 
 The plan fixes the number of parts from shapes alone and never reads a tensor on the host, so a decode step can
 be captured in a CUDA graph. One token sees every key of its cache (causal, bottom-right aligned, masks nothing),
@@ -110,6 +111,25 @@ class DecodePlan:
         return o, lse
 
 
+def group_rows(spec: specs.KernelSpec, page_size: int, head_dim: int) -> int:
+    """The row groups of the build that reads pages of `page_size` rows (specs.DECODE_GROUPED_PAGE_ROWS), or 0 when
+    `spec`, the family's build, reads them itself: it loads K/V with cp.async, the pages are large enough, or the
+    head dim is not a whole number of 64-byte column blocks (a group's box spans the head dim exactly)."""
+    rows = page_size & -page_size
+    if not spec.kv_maps or not spec.kv_maps.rows or rows not in specs.DECODE_GROUPED_PAGE_ROWS:
+        return 0
+    return rows if head_dim % specs.NARROW_BOX_COLS == 0 else 0
+
+
+def more_specs(variant: Variant) -> tuple[specs.KernelSpec, ...]:
+    """The builds a plan may load besides the family's: one per row-group size, where pages take them."""
+    spec = specs.decode_spec(variant.dtype_name, variant.head_dim, variant.head_dim_v, variant.arch)
+    if not spec.kv_maps or not spec.kv_maps.rows or variant.head_dim != variant.head_dim_v:
+        return ()
+    return tuple(specs.decode_spec(variant.dtype_name, variant.head_dim, variant.head_dim_v, variant.arch, rows)
+                 for rows in specs.DECODE_GROUPED_PAGE_ROWS)
+
+
 def _box(spec: specs.KernelSpec, page_size: int | None) -> specs.KvBox:
     """The K/V maps' box: the spec's, or for pages the largest power of two dividing the page size, at most a
     tile (a box never straddles two pages)."""
@@ -124,6 +144,10 @@ def build(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, modul
           splits: int = 0, outputs: tuple | None = None) -> DecodePlan:
     """The plan of one token per sequence over a cache of `seqlen_k` rows (pages of `page_size` rows when paged);
     `splits` 0 picks the parts by shapes alone."""
+    rows = group_rows(module.spec, page_size, q.shape[-1]) if page_size else 0
+    if rows:
+        module = launch.load(specs.decode_spec(module.spec.dtype, q.shape[-1], v.shape[-1], module.spec.arch, rows),
+                             q.device.index)
     spec = module.spec
     defines = dict(spec.defines)
     b, _, hq, _ = q.shape
@@ -166,4 +190,5 @@ FAMILY = Family(
     "parts merged by their log-sum-exps, pages read in place (rung 4's kernel, built for decoding)",
     Serves((torch.float16, torch.bfloat16), max(specs.FWD_HEAD_DIMS), frozenset(), (8, 0), frozenset({"decode"}),
            extra=_why_not),
-    lambda v: specs.decode_spec(v.dtype_name, v.head_dim, v.head_dim_v, v.arch), plan, tile=decode_tile)
+    lambda v: specs.decode_spec(v.dtype_name, v.head_dim, v.head_dim_v, v.arch), plan, tile=decode_tile,
+    more_specs=more_specs)

@@ -90,6 +90,7 @@ class Family:
     plan: Callable[..., object]
     rung: int | None = None         # its place on the ladder (forward families that teach a step)
     tile: Callable[[Variant], object] | None = None  # the tile-table row it compiles (with its `why`), if any
+    more_specs: Callable[[Variant], tuple] | None = None  # builds its plans may load besides `spec` (compiled too)
 
     def unsupported(self, variant: Variant) -> str | None:
         """Why this family cannot serve `variant`, or None if it can."""

@@ -67,6 +67,8 @@ def all_specs(arch: str) -> list[specs.KernelSpec]:
         for family, why_not in reasons(variant):
             if why_not is None:
                 found.setdefault(family.spec(variant))
+                for spec in family.more_specs(variant) if family.more_specs else ():
+                    found.setdefault(spec)
                 if family.rung is None:
                     break
     return list(found)

@@ -29,6 +29,7 @@ class KvBox:
 
     rows: int   # keys per box; 0: this build loads K and V with cp.async and the maps are zeros
     cols: int   # elements per box row, one swizzle block: 32 (64-byte swizzle) or 64 (128-byte swizzle)
+    blocks: int = 1  # column blocks per box; more than one: 5-D maps, (cols, rows, block, heads, batch or pages)
 
 
 @dataclass(frozen=True)
@@ -286,32 +287,59 @@ def fwd_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: boo
                       fwd_smem(d, dv, tile), kv_maps=fwd_kv_box(tile))
 
 
-# Decoding (flashtile/decode.py) on Hopper: a block's query rows are a kv head's query heads (a GQA group, 1-64
-# rows), so 64 rows halve the tensor-core work of rung 4's 128 for the same K/V bytes; 128 keys per stage keep
-# 64 KB (d128) of the cache per stage, and three stages keep two tiles in flight while one is computed (a paged
-# tile's block-table lookup adds a memory latency before its copies start).
+# Decoding (flashtile/decode.py): a block's query rows are a kv head's query heads (a GQA group, usually 1-16 rows)
+# in one 16-row slab, and the decode build shares each tile's keys among its 4 warps (kernels/mma/fwd.cu): K and V
+# leave shared memory once per block, and no warp multiplies rows that are not there. With 64 rows shared by the
+# warps instead, every warp read all of K and V and the tensor cores worked on 4-8x the real rows: the loop was
+# bound by that work, not by memory (docs/notes.md).
+DECODE_BLOCK_M = 16
 DECODE_TILES_SM90 = {
-    64: Tile(64, 128, 4, 3, 1, "a GQA group's rows: half of rung 4's mma work per key; 3 stages; 104 KB", tma=True),
-    128: Tile(64, 128, 4, 3, 1, "a GQA group's rows: half of rung 4's mma work per key; 3 stages; 208 KB", tma=True),
+    64: Tile(DECODE_BLOCK_M, 128, 4, 3, 1, "TMA ring of 128-key tiles, 3 stages (two in flight while one is "
+                                           "computed); 98 KB, two blocks per SM", tma=True),
+    128: Tile(DECODE_BLOCK_M, 128, 4, 3, 1, "TMA ring of 128-key tiles, 3 stages (two in flight while one is "
+                                            "computed; a fourth does not fit); 196 KB", tma=True),
 }
+DECODE_KEYS_CP_ASYNC = 64  # elsewhere: 16 keys per warp, and the most stages of a cp.async ring that fit
+DECODE_MAX_STAGES = 4
 DECODE_ENTRIES = ("attn_fwd", "attn_combine")  # the parts' kernel, then the kernel that merges them
 COMBINE_WARPS = 4  # attn_combine merges one query row per warp; 4 rows per block
 
 
 def decode_tile(d: int, dv: int, arch: str) -> Tile:
-    """The decode build's tile: DECODE_TILES_SM90 on Hopper, rung 4's forward tile elsewhere."""
-    tile = DECODE_TILES_SM90.get(max(d, dv)) if arch == "sm_90a" else None
-    return tile or fwd_tile(max(d, dv), arch, False)
+    """The decode build's tile: DECODE_TILES_SM90 on Hopper; elsewhere a cp.async ring of DECODE_KEYS_CP_ASYNC-key
+    tiles with as many stages as the GPU's shared memory holds (at most DECODE_MAX_STAGES)."""
+    if arch == "sm_90a" and max(d, dv) in DECODE_TILES_SM90:
+        return DECODE_TILES_SM90[max(d, dv)]
+    room = smem_limit(arch) - DECODE_BLOCK_M * max(d, dv) * ELEM_BYTES
+    stages = max(1, min(DECODE_MAX_STAGES, room // (DECODE_KEYS_CP_ASYNC * (d + dv) * ELEM_BYTES)))
+    return Tile(DECODE_BLOCK_M, DECODE_KEYS_CP_ASYNC, 4, stages, 1,
+                f"cp.async ring of {DECODE_KEYS_CP_ASYNC}-key tiles, the most stages (up to {DECODE_MAX_STAGES}) "
+                "that fit this GPU's shared memory")
 
 
-def decode_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str) -> KernelSpec:
+# Pages whose rows' largest power-of-two divisor is one of these read through row groups (kernels/mma/fwd.cu,
+# FT_KV_GROUP_ROWS): one copy per page and tile instead of one per 64-byte column block. At 16 rows the copies'
+# count, not the bytes, bounded the loop (64 copies of 1 KB per tile); from 64 rows on a column block's box is
+# large enough (docs/notes.md).
+DECODE_GROUPED_PAGE_ROWS = (16, 32)
+
+
+def decode_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, group_rows: int = 0) -> KernelSpec:
     """Rung 4's kernel built for decoding (FT_DECODE: split parts, per-sequence key counts, pages on Hopper),
-    with the kernel that merges the parts."""
+    with the kernel that merges the parts; `group_rows` (one of DECODE_GROUPED_PAGE_ROWS, Hopper): the build
+    for pages of that many rows (or multiples whose largest power-of-two divisor it is)."""
     d, dv = pick_padded(head_dim, FWD_HEAD_DIMS), pick_padded(head_dim_v, FWD_HEAD_DIMS)
     tile = decode_tile(d, dv, arch)
     defines = fwd_defines(d, dv, tile) + (("FT_DECODE", 1), ("FT_COMBINE_WARPS", COMBINE_WARPS))
-    return KernelSpec(PIPELINED_SOURCE, DECODE_ENTRIES, dtype, arch, defines, fwd_smem(d, dv, tile),
-                      kv_maps=fwd_kv_box(tile))
+    box = fwd_kv_box(tile)
+    if group_rows:
+        if group_rows not in DECODE_GROUPED_PAGE_ROWS or not tile.tma or d != dv:
+            raise ValueError(f"row groups of {group_rows} rows: the decode build takes groups of "
+                             f"{DECODE_GROUPED_PAGE_ROWS} rows where tensor maps feed it (Hopper, head dims up to "
+                             f"{max(DECODE_TILES_SM90)}) and q/k and v share one head dim")
+        defines += (("FT_KV_GROUP_ROWS", group_rows),)
+        box = KvBox(group_rows, NARROW_BOX_COLS, d // NARROW_BOX_COLS)
+    return KernelSpec(PIPELINED_SOURCE, DECODE_ENTRIES, dtype, arch, defines, fwd_smem(d, dv, tile), kv_maps=box)
 
 
 # ---------------------------------------------------------------------------------------------------

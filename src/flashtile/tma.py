@@ -5,7 +5,9 @@ copies whole boxes into shared memory with one instruction. The forward's maps v
 (head dim, rows, kv heads, batch) — varlen packs every sequence along the rows of one batch entry — with boxes
 of one swizzle block of common/tile.cuh by a tile's rows: 32 columns (64 bytes) in the 64-byte swizzle mode for
 rung 4's narrow layout, 64 columns (128 bytes) in the 128-byte mode for the wide layout wgmma reads (rung 5).
-Either mode writes exactly the layout the kernel's addressing reads. A map holds the tensor's address;
+Either mode writes exactly the layout the kernel's addressing reads. A box of several column blocks (KvBox.blocks,
+the decode build for small pages) takes a 5-D map, the head dim split into (column, column block): its box lands
+as one of common/tile.cuh's row groups. A map holds the tensor's address;
 encoding one (cuTensorMapEncodeTiled through cuda.bindings) costs ~11 us of host time on the H200's host, so
 maps are kept by address, shape, strides and dtype: the same memory seen the same way is described by the
 same map, and a repeated call (a benchmark, a static KV buffer, the caching allocator handing back a block)
@@ -37,23 +39,28 @@ def _cuda():
     return _driver
 
 
-def _encode(t: torch.Tensor, box_rows: int, box_cols: int) -> bytes:
+def _encode(t: torch.Tensor, box: KvBox) -> bytes:
     d = _cuda()
     elem = t.element_size()
     if t.dim() == 3:  # varlen (total, heads, dim): one batch entry
         shape, strides = (t.shape[0], t.shape[1], 1), (t.stride(0), t.stride(1), 0)
     else:             # (batch, rows, heads, dim) -> rows, heads, batch
         shape, strides = (t.shape[1], t.shape[2], t.shape[0]), (t.stride(1), t.stride(2), t.stride(0))
+    dims, box_dims = [t.shape[-1]], [box.cols, box.rows, 1, 1]
+    if box.blocks > 1:  # the head dim as (column, column block): a box takes a row's every block at once
+        dims = [box.cols]
+        shape, strides = (shape[0], t.shape[-1] // box.cols, *shape[1:]), (strides[0], box.cols, *strides[1:])
+        box_dims = [box.cols, box.rows, box.blocks, 1, 1]
     # A dimension of one index never moves: give it any legal stride (a multiple of 16 bytes below 2^40).
     span = -(-t.numel() * elem // 16) * 16
     byte_strides = [d.cuuint64_t(s * elem if n > 1 else span) for n, s in zip(shape, strides)]
     dtype = (d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
              else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
     swizzle = {64: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
-               128: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}[box_cols * elem]
+               128: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}[box.cols * elem]
     err, tmap = d.cuTensorMapEncodeTiled(
-        dtype, 4, t.data_ptr(), [d.cuuint64_t(t.shape[-1])] + [d.cuuint64_t(n) for n in shape], byte_strides,
-        [d.cuuint32_t(box_cols), d.cuuint32_t(box_rows), d.cuuint32_t(1), d.cuuint32_t(1)], [d.cuuint32_t(1)] * 4,
+        dtype, len(box_dims), t.data_ptr(), [d.cuuint64_t(n) for n in (*dims, *shape)], byte_strides,
+        [d.cuuint32_t(n) for n in box_dims], [d.cuuint32_t(1)] * len(box_dims),
         d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
         d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
@@ -63,19 +70,19 @@ def _encode(t: torch.Tensor, box_rows: int, box_cols: int) -> bytes:
     return ctypes.string_at(tmap.getPtr(), MAP_BYTES)
 
 
-def _map(t: torch.Tensor, box_rows: int, box_cols: int) -> bytes:
-    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, box_rows, box_cols)
+def _map(t: torch.Tensor, box: KvBox) -> bytes:
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, box)
     encoded = _kept.get(key)
     if encoded is None:
         if len(_kept) >= MAX_KEPT_MAPS:
             _kept.clear()
-        encoded = _kept[key] = _encode(t, box_rows, box_cols)
+        encoded = _kept[key] = _encode(t, box)
     return encoded
 
 
 def kv_maps(k: torch.Tensor, v: torch.Tensor, box: KvBox) -> bytes:
     """The forward kernel's KvMaps parameter: K's map, then V's (kernels/common/tma.cuh)."""
-    return _map(k, box.rows, box.cols) + _map(v, box.rows, box.cols)
+    return _map(k, box) + _map(v, box)
 
 
 def kernel_argument(k: torch.Tensor, v: torch.Tensor, box: KvBox | None) -> bytes | None:

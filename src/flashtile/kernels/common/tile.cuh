@@ -26,22 +26,38 @@ template <typename T, typename F> struct Select<false, T, F> { using type = F; }
 struct LaneOffsets { int parity[2]; };
 struct WideLaneOffsets { int at[4]; };
 
-template <int kRows, int kCols, bool kWide = false>
+//
+// Row groups (kGroupRows < kRows): the tile is kRows / kGroupRows groups of rows stored one after the other, each
+// laid out as above (its column blocks of kGroupRows rows). A tensor-map box of one page's rows by the whole width
+// then lands in one piece (the decode build's small pages, kernels/mma/fwd.cu). Fragments must not straddle two
+// groups: kGroupRows is a multiple of 16.
+template <int kRows, int kCols, bool kWide = false, int kGroupRows = kRows>
 struct SwizzledTile {
     static_assert(kCols % 32 == 0, "tile width must be a multiple of 32 elements");
     static_assert(!kWide || kCols % 64 == 0, "wide blocks need a width that is a multiple of 64");
+    static_assert(kRows % kGroupRows == 0 && (kGroupRows == kRows || kGroupRows % 16 == 0),
+                  "row groups divide the tile and hold whole fragments");
     static constexpr int kBlockCols = kWide ? 64 : 32;             // elements per column block
     static constexpr int kChunks = kBlockCols / kChunkElems;       // 16-byte chunks per block row
     static constexpr int kElems = kRows * kCols;
-    static constexpr int kBlockElems = kRows * kBlockCols;         // one column block
+    static constexpr int kBlockElems = kRows * kBlockCols;         // one column block (without row groups)
+    static constexpr int kColBlocks = kCols / kBlockCols;
     using Lane = typename Select<kWide, WideLaneOffsets, LaneOffsets>::type;
 
     __device__ static __forceinline__ int swizzle(int row) { return kWide ? (row & 7) : ((row >> 1) & 3); }
 
+    // Element offset of the start of `row`'s row in column block `block` (no swizzle term).
+    __device__ static __forceinline__ int row_start(int row, int block) {
+        if constexpr (kGroupRows == kRows) return (block * kRows + row) * kBlockCols;
+        else return ((row / kGroupRows * kColBlocks + block) * kGroupRows + row % kGroupRows) * kBlockCols;
+    }
+
     // Element offset of (row, col); col must be a multiple of 8 when the address feeds ldmatrix/cp.async.
     __device__ static __forceinline__ int offset(int row, int col) {
         const int block = col / kBlockCols, chunk = (col % kBlockCols) / kChunkElems;
-        return (block * kRows + row) * kBlockCols + ((chunk ^ swizzle(row)) * kChunkElems) + col % kChunkElems;
+        if constexpr (kGroupRows == kRows)
+            return (block * kRows + row) * kBlockCols + ((chunk ^ swizzle(row)) * kChunkElems) + col % kChunkElems;
+        else return row_start(row, block) + ((chunk ^ swizzle(row)) * kChunkElems) + col % kChunkElems;
     }
 
     // ldmatrix addressing. A lane supplies row R + lane_row, column C + lane_col of an 8x8 matrix, with R a
@@ -67,9 +83,12 @@ struct SwizzledTile {
         if constexpr (kWide) {
             const int position = (col0 / 16) % 4;
             const int lane = position == 0 ? lo.at[0] : position == 1 ? lo.at[1] : position == 2 ? lo.at[2] : lo.at[3];
-            return ((col0 / kBlockCols) * kRows + row0) * kBlockCols + lane;
+            if constexpr (kGroupRows == kRows) return ((col0 / kBlockCols) * kRows + row0) * kBlockCols + lane;
+            else return row_start(row0, col0 / kBlockCols) + lane;
         } else {
-            return ((col0 / kBlockCols) * kRows + row0) * kBlockCols + ((col0 / 16) % 2 ? lo.parity[1] : lo.parity[0]);
+            if constexpr (kGroupRows == kRows)
+                return ((col0 / kBlockCols) * kRows + row0) * kBlockCols + ((col0 / 16) % 2 ? lo.parity[1] : lo.parity[0]);
+            else return row_start(row0, col0 / kBlockCols) + ((col0 / 16) % 2 ? lo.parity[1] : lo.parity[0]);
         }
     }
 };

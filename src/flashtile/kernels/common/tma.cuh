@@ -38,6 +38,14 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
                  " @!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
 }
 
+// One box of a 5-D map at coordinates (c0 innermost .. c4).
+__device__ __forceinline__ void tma_load_5d(u32 dst, const TensorMap& map, int c0, int c1, int c2, int c3, int c4,
+                                            u32 bar) {
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
+                 :: "r"(dst), "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
+}
+
 // One box of a 4-D map at coordinates (c0 innermost .. c3) into shared memory at `dst`; bytes count on `bar`.
 __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, int c0, int c1, int c2, int c3, u32 bar) {
     asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"

@@ -43,17 +43,36 @@ constexpr bool kTmaKv = FT_TMA_KV;         // K/V ring fed by the tensor memory 
 #ifndef FT_DECODE
 #define FT_DECODE 0
 #endif
-// Decode builds (flashtile/decode.py): a block's rows are one kv head's query heads; each sequence's keys may be
-// split into parts (p.num_splits) whose normalised outputs and LSEs go to fp32 scratch for attn_combine below;
-// p.seqused_k counts each sequence's keys; on Hopper K/V may live in pages (p.block_table).
+// Decode builds (flashtile/decode.py): a block's rows are one kv head's query heads, and its warps share each tile's
+// keys (kKeyWarps below); each sequence's keys may be split into parts (p.num_splits) whose normalised outputs and
+// LSEs go to fp32 scratch for attn_combine below; p.seqused_k counts each sequence's keys; on Hopper K/V may live
+// in pages (p.block_table).
 constexpr bool kDecode = FT_DECODE;
+#ifndef FT_KV_GROUP_ROWS
+#define FT_KV_GROUP_ROWS FT_BLOCK_N
+#endif
+// Decode builds for small pages: K/V tiles stored in groups of this many rows (common/tile.cuh's row groups), so a
+// page's rows by the whole head dim land as one box of a 5-D map instead of one box per 64-byte column block: a
+// tile in pages of 16 rows takes 16 copies instead of 64. FT_BLOCK_N (no groups) otherwise.
+constexpr int kKvGroupRows = FT_KV_GROUP_ROWS;
+constexpr bool kRowGroups = kKvGroupRows < kBlockN;
+
+// Decode builds share each tile's keys among the warps instead of its rows: a block's rows are one GQA group (a
+// few rows in one 16-row slab), so sharing rows would have every warp read all of K and V from shared memory and
+// multiply rows that are not there. Each warp keeps its own softmax state; the states merge at the end.
+constexpr int kKeyWarps = kDecode ? kWarps : 1;      // warps that share each tile's keys
+constexpr int kRowWarps = kWarps / kKeyWarps;        // warps that share the block's rows
+constexpr int kWarpKeys = kBlockN / kKeyWarps;       // keys of a tile per warp
 
 constexpr int kThreads = kWarps * kWarpSize;
-constexpr int kSlabs = kBlockM / (kWarps * kMmaM);  // 16-row slabs per warp
+constexpr int kSlabs = kBlockM / (kRowWarps * kMmaM);  // 16-row slabs per warp
 constexpr int kWarpRows = kSlabs * kMmaM;
-constexpr int kScoreTiles = kBlockN / kMmaN;        // n8 score tiles per slab
-constexpr int kOutTiles = kHeadDimV / kMmaN;        // n8 output tiles per slab
-static_assert(kSlabs >= 1 && kBlockM == kWarps * kWarpRows, "BLOCK_M must be a multiple of 16 * WARPS");
+constexpr int kScoreTiles = kWarpKeys / kMmaN;         // n8 score tiles per slab
+constexpr int kOutTiles = kHeadDimV / kMmaN;           // n8 output tiles per slab
+static_assert(kSlabs >= 1 && kBlockM == kRowWarps * kWarpRows, "BLOCK_M must be a multiple of 16 * row warps");
+static_assert(kWarpKeys % kMmaK == 0, "a warp's keys must be a multiple of 16");
+static_assert(!kRowGroups || (kDecode && kTmaKv && kWarpKeys % kKvGroupRows == 0),
+              "row groups are for decode builds fed by TMA, and a warp's keys start a group");
 static_assert(kStages >= 1, "K and V need a buffer each");
 // With one buffer each, K and V take turns (FlashAttention-2's schedule): V of tile i loads while Q K_i^T runs,
 // K of tile i+1 while the softmax and P V_i run. Half the shared memory of a two-stage ring, for two blocks per
@@ -64,8 +83,8 @@ static_assert(!kTmaKv || (!kTakeTurns && !kWide), "TMA feeds the ring, in 64-byt
 
 using QTile = SwizzledTile<kBlockM, kHeadDim, kWide>;
 using OTile = SwizzledTile<kBlockM, kHeadDimV, kWide>;
-using KTile = SwizzledTile<kBlockN, kHeadDim, kWide>;
-using VTile = SwizzledTile<kBlockN, kHeadDimV, kWide>;
+using KTile = SwizzledTile<kBlockN, kHeadDim, kWide, kKvGroupRows>;
+using VTile = SwizzledTile<kBlockN, kHeadDimV, kWide, kKvGroupRows>;
 
 struct SharedStorage {
     elem_t q[QTile::kElems > OTile::kElems ? QTile::kElems : OTile::kElems];  // Q, later the output tile
@@ -91,6 +110,67 @@ __device__ __forceinline__ void zero_rows_from(elem_t* tile, int first) {
         *reinterpret_cast<uint4*>(tile + VTile::offset(idx / kVecsPerRow, (idx % kVecsPerRow) * kChunkElems)) =
             make_uint4(0, 0, 0, 0);
     fence_proxy_async();
+}
+
+// Decode builds: the key warps' softmax states merge into warp 0's registers through shared memory (`scratch`,
+// the K/V stages, adjacent in SharedStorage and free once the last tile has been read). Each warp measures its exponentials from its own
+// reference maximum; the block's is the largest, and a warp's sums and O scale by 2^(its reference - the block's).
+// A warp that saw no key (reference -inf) adds nothing; a NaN reference makes the row's factor, so its O, NaN.
+constexpr int kMergeLaneValues = kSlabs * 2;                // a lane's rows: the maxima and sums it keeps
+constexpr int kMergeOutValues = kSlabs * kOutTiles * 4;     // a lane's O accumulators
+constexpr int kMergeFloats = (kKeyWarps * 2 * kMergeLaneValues + (kKeyWarps - 1) * kMergeOutValues) * kWarpSize;
+
+__device__ __forceinline__ void merge_key_warps(float* scratch, float (&o)[kSlabs][kOutTiles][4],
+                                                float (&row_max)[kSlabs][2], float (&row_sum)[kSlabs][2],
+                                                float log2_factor, int warp, int lane) {
+    float* maxima = scratch;                                             // [warp][value][lane]
+    float* sums = maxima + kKeyWarps * kMergeLaneValues * kWarpSize;     // [warp][value][lane]
+    float* outs = sums + kKeyWarps * kMergeLaneValues * kWarpSize;       // [warp - 1][value][lane]
+    auto at = [&](float* base, int w, int value, int values) { return base + (w * values + value) * kWarpSize + lane; };
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) *at(maxima, warp, 2 * sl + half, kMergeLaneValues) = row_max[sl][half];
+    __syncthreads();
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float m = kNegInf;
+#pragma unroll
+            for (int w = 0; w < kKeyWarps; ++w) m = fmaxf(m, *at(maxima, w, 2 * sl + half, kMergeLaneValues));
+            const float mine = row_max[sl][half];
+            const float factor = mine == kNegInf ? 0.f : fast_exp2((mine - m) * log2_factor);
+            row_max[sl][half] = m;
+            row_sum[sl][half] *= factor;
+#pragma unroll
+            for (int j = 0; j < kOutTiles; ++j) {
+                o[sl][j][2 * half] *= factor;
+                o[sl][j][2 * half + 1] *= factor;
+            }
+            if (warp != 0) *at(sums, warp, 2 * sl + half, kMergeLaneValues) = row_sum[sl][half];
+        }
+    if (warp != 0) {
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+            for (int j = 0; j < kOutTiles; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) *at(outs, warp - 1, (sl * kOutTiles + j) * 4 + e, kMergeOutValues) = o[sl][j][e];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int w = 1; w < kKeyWarps; ++w)
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) row_sum[sl][half] += *at(sums, w, 2 * sl + half, kMergeLaneValues);
+#pragma unroll
+            for (int j = 0; j < kOutTiles; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[sl][j][e] += *at(outs, w - 1, (sl * kOutTiles + j) * 4 + e, kMergeOutValues);
+        }
 }
 
 // A split part's epilogue (decode builds): each row's normalised output and log-sum-exp, in fp32, at
@@ -176,13 +256,14 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     const u32 kv_full = smem_addr(smem.kv_full);
     const int map_row0 = (int)pr.k_start, map_head = h / p.group, map_batch = p.cu_seqlens_k != nullptr ? 0 : b;
     // Paged K/V (decode builds on Hopper): the maps see the pages as (head dim, page rows, kv heads, pages) with
-    // boxes of `page_rows` rows, the largest power of two dividing the page size, at most a tile. Warp 0 loads a
-    // tile, lane i its box i; each lane reads its box's page index one load ahead (tiles load in order), so the
-    // block table's latency stays off the loop. Boxes past the sequence start at row page_size of its first page,
+    // boxes of `page_rows` rows, the largest power of two dividing the page size, at most a tile; with row groups,
+    // as (64-byte column, page rows, column block, kv heads, pages) with boxes of a group's rows by every column
+    // block. Warp 0 loads a tile, lane i its rows [i * page_rows, (i + 1) * page_rows); each lane reads its page
+    // index one load ahead (tiles load in order), so the block table's latency stays off the loop. Boxes past the sequence start at row page_size of its first page,
     // out of the map, so they arrive as zeros. Guarded by the preprocessor: left to dead-code elimination, this
     // state made ptxas spill in rung 4's d128 Hopper build.
 #if FT_DECODE
-    const int page_rows = min(p.page_size & -p.page_size, kBlockN);
+    const int page_rows = kRowGroups ? kKvGroupRows : min(p.page_size & -p.page_size, kBlockN);
     const int* pages = p.block_table + b * p.block_table_batch_stride;
     const bool box_lane = warp == 0 && lane * page_rows < kBlockN;
     auto page_index = [&](int key) { return pages[key < pr.seqlen_k ? key / p.page_size : 0]; };
@@ -192,8 +273,13 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
         const int page = next_page, key = n0 + lane * page_rows;
         next_page = page_index(key + kBlockN);
         const int row = key < pr.seqlen_k ? key % p.page_size : p.page_size;
-        const u32 k_dst = k_smem + stage * kKStageBytes + lane * page_rows * KTile::kBlockCols * kElemBytes;
-        const u32 v_dst = v_smem + stage * kVStageBytes + lane * page_rows * VTile::kBlockCols * kElemBytes;
+        const u32 k_dst = k_smem + stage * kKStageBytes + KTile::row_start(lane * page_rows, 0) * kElemBytes;
+        const u32 v_dst = v_smem + stage * kVStageBytes + VTile::row_start(lane * page_rows, 0) * kElemBytes;
+        if constexpr (kRowGroups) {
+            tma_load_5d(k_dst, maps.k, 0, row, 0, map_head, page, bar);
+            tma_load_5d(v_dst, maps.v, 0, row, 0, map_head, page, bar);
+            return;
+        }
 #pragma unroll
         for (int blk = 0; blk < kHeadDim / KTile::kBlockCols; ++blk)
             tma_load_4d(k_dst + blk * kBlockN * KTile::kBlockCols * kElemBytes, maps.k, blk * KTile::kBlockCols, row,
@@ -206,6 +292,9 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
 #endif
     if constexpr (kDecode && !kTmaKv) {
         if (p.block_table != nullptr) __trap();  // paged K/V is read through tensor maps only
+    }
+    if constexpr (kRowGroups) {
+        if (p.block_table == nullptr) __trap();  // row-group builds read pages only
     }
     if constexpr (kTmaKv) {
         if (threadIdx.x == 0) {
@@ -263,7 +352,10 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     const float log2_factor = kModScores ? kLog2e : p.scale_log2;
     const float slope = kAlibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
     const float inv_softcap = kSoftcap ? 1.f / p.softcap : 0.f;
-    const int warp_row0 = warp * kWarpRows;  // first row of this warp within the tile
+    const int warp_row0 = kKeyWarps > 1 ? 0 : warp * kWarpRows;  // first row of this warp within the tile
+    const int warp_key0 = kKeyWarps > 1 ? warp * kWarpKeys : 0;  // first key of this warp within each tile
+    // The byte offsets of this warp's keys in the K and V tiles (a multiple of 8 rows: the swizzle is unmoved).
+    const u32 k_warp = KTile::row_start(warp_key0, 0) * kElemBytes, v_warp = VTile::row_start(warp_key0, 0) * kElemBytes;
     // Per-lane ldmatrix addresses (tile.cuh): Q as the A operand, K as B, V as B transposed.
     const auto q_lane = QTile::fragment_lane(lane % 16, (lane / 16) * 8);
     const auto k_lane = KTile::fragment_lane(lane % 8 + (lane / 16) * 8, ((lane / 8) % 2) * 8);
@@ -278,7 +370,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
 
     // `scores_done` runs between Q K^T and the softmax (taking turns: wait for V, then start the next K).
     auto attend = [&](u32 sk, u32 sv, int n0, auto masked, auto scores_done) {
-        // S = Q K^T for this warp's rows: kSlabs x 16 rows by kBlockN keys.
+        // S = Q K^T for this warp's rows and keys: kSlabs x 16 rows by kWarpKeys keys.
         float s[kSlabs][kScoreTiles][4] = {};
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / kMmaK; ++kk) {
@@ -289,7 +381,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
 #pragma unroll
             for (int np = 0; np < kScoreTiles / 2; ++np) {
                 u32 bk[4];
-                ldmatrix_x4(bk, sk + kElemBytes * KTile::fragment_offset(k_lane, np * 16, kk * kMmaK));
+                ldmatrix_x4(bk, sk + k_warp + kElemBytes * KTile::fragment_offset(k_lane, np * 16, kk * kMmaK));
 #pragma unroll
                 for (int sl = 0; sl < kSlabs; ++sl) {
                     mma_16816(s[sl][2 * np], a[sl], bk[0], bk[1]);
@@ -308,7 +400,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
             for (int half = 0; half < 2; ++half) {
                 const int row = m0 + warp_row0 + sl * kMmaM + g + 8 * half;
                 // Columns relative to this lane's first: the row sees keys [lo, hi) of the tile.
-                const int col0 = n0 + 2 * t;
+                const int col0 = n0 + warp_key0 + 2 * t;
                 const int lo = mask.first_key(row) - col0, hi = mask.end_key(row) - col0;
                 float mx = kNegInf;
 #pragma unroll
@@ -375,14 +467,14 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
 
         // O += P V, P straight from the score registers.
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / kMmaK; ++kk) {
+        for (int kk = 0; kk < kWarpKeys / kMmaK; ++kk) {
             u32 a[kSlabs][4];
 #pragma unroll
             for (int sl = 0; sl < kSlabs; ++sl) accumulators_to_a(a[sl], s[sl][2 * kk], s[sl][2 * kk + 1]);
 #pragma unroll
             for (int dp = 0; dp < kOutTiles / 2; ++dp) {
                 u32 bv[4];
-                ldmatrix_x4_trans(bv, sv + kElemBytes * VTile::fragment_offset(v_lane, kk * kMmaK, dp * 16));
+                ldmatrix_x4_trans(bv, sv + v_warp + kElemBytes * VTile::fragment_offset(v_lane, kk * kMmaK, dp * 16));
 #pragma unroll
                 for (int sl = 0; sl < kSlabs; ++sl) {
                     mma_16816(o[sl][2 * dp], a[sl], bv[0], bv[1]);
@@ -429,6 +521,12 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     cp_async_wait<0>();  // with no visible key tile, Q may still be in flight ...
     __syncthreads();     // ... from any thread, into rows another warp is about to overwrite with O
 
+    if constexpr (kKeyWarps > 1) {
+        static_assert(kMergeFloats * sizeof(float) <= sizeof(SharedStorage::k) + sizeof(SharedStorage::v),
+                      "the merge works in the K/V stages");
+        merge_key_warps(reinterpret_cast<float*>(smem.k), o, row_max, row_sum, log2_factor, warp, lane);
+        if (warp != 0) return;  // warp 0 holds the block's rows now
+    }
     if constexpr (kDecode) {
         if (p.num_splits > 1) {  // this part's normalised rows and LSEs, in fp32, for attn_combine
             store_part(p, o, row_max, row_sum, log2_factor, split, b, h, m0 + warp_row0 + g, pr.seqlen_q, t);
