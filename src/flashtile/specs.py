@@ -310,11 +310,13 @@ def decode_tile(d: int, dv: int, arch: str) -> Tile:
     tiles with as many stages as the GPU's shared memory holds (at most DECODE_MAX_STAGES)."""
     if arch == "sm_90a" and max(d, dv) in DECODE_TILES_SM90:
         return DECODE_TILES_SM90[max(d, dv)]
-    room = smem_limit(arch) - DECODE_BLOCK_M * max(d, dv) * ELEM_BYTES
-    stages = max(1, min(DECODE_MAX_STAGES, room // (DECODE_KEYS_CP_ASYNC * (d + dv) * ELEM_BYTES)))
-    return Tile(DECODE_BLOCK_M, DECODE_KEYS_CP_ASYNC, 4, stages, 1,
-                f"cp.async ring of {DECODE_KEYS_CP_ASYNC}-key tiles, the most stages (up to {DECODE_MAX_STAGES}) "
-                "that fit this GPU's shared memory")
+    for stages in range(DECODE_MAX_STAGES, 0, -1):
+        tile = Tile(DECODE_BLOCK_M, DECODE_KEYS_CP_ASYNC, 4, stages, 1,
+                    f"cp.async ring of {DECODE_KEYS_CP_ASYNC}-key tiles, the most stages (up to {DECODE_MAX_STAGES}) "
+                    "that fit this GPU's shared memory")
+        if fwd_smem(d, dv, tile) <= smem_limit(arch):
+            return tile
+    return tile
 
 
 # Pages whose rows' largest power-of-two divisor is one of these read through row groups (kernels/mma/fwd.cu,
