@@ -1,5 +1,7 @@
 """flashtile/tma.py without a GPU: which maps are encoded, and when one is reused."""
 
+import types
+
 import torch
 
 from flashtile import tma
@@ -23,3 +25,37 @@ def test_tensor_maps_are_kept_by_address_shape_strides_and_dtype(monkeypatch):
     assert len(encoded) == 4
     assert tma.kernel_argument(k, k, None) is None
     assert tma.kernel_argument(k, k, KvBox(0, 32)) == tma.NO_MAPS
+
+
+class _FakeDriver:
+    """cuda.bindings.driver's few names tma._encode uses, recording what it is asked to encode."""
+
+    def __init__(self):
+        self.calls = []
+        self.cuuint64_t = self.cuuint32_t = int
+        self.CUtensorMapDataType = types.SimpleNamespace(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16="bf16",
+                                                         CU_TENSOR_MAP_DATA_TYPE_FLOAT16="f16")
+        self.CUtensorMapSwizzle = types.SimpleNamespace(CU_TENSOR_MAP_SWIZZLE_64B=64, CU_TENSOR_MAP_SWIZZLE_128B=128)
+        self.CUtensorMapInterleave = types.SimpleNamespace(CU_TENSOR_MAP_INTERLEAVE_NONE=0)
+        self.CUtensorMapL2promotion = types.SimpleNamespace(CU_TENSOR_MAP_L2_PROMOTION_L2_128B=128)
+        self.CUtensorMapFloatOOBfill = types.SimpleNamespace(CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE=0)
+        self.CUresult = types.SimpleNamespace(CUDA_SUCCESS=0)
+
+    def cuTensorMapEncodeTiled(self, dtype, rank, address, dims, strides, box, element_strides, *modes):
+        self.calls.append((rank, list(dims), list(strides), list(box)))
+        return 0, types.SimpleNamespace(getPtr=lambda: 0)
+
+
+def test_a_box_of_column_blocks_takes_a_five_dimensional_map(monkeypatch):
+    """Pages (blocks, page rows, kv heads, d): the 4-D map is (d, rows, heads, pages) with one 64-byte column block
+    per box; with KvBox.blocks the head dim splits into (column, column block), strided 64 bytes apart, and one
+    box spans every block (the decode build's row groups)."""
+    driver = _FakeDriver()
+    monkeypatch.setattr(tma, "_cuda", lambda: driver)
+    monkeypatch.setattr(tma.ctypes, "string_at", lambda address, size: bytes(size))
+    pages = torch.zeros(10, 16, 4, 128, dtype=torch.bfloat16)
+    row, head, page = 4 * 128 * 2, 128 * 2, 16 * 4 * 128 * 2
+    tma._encode(pages, KvBox(16, 32))
+    tma._encode(pages, KvBox(16, 32, 4))
+    assert driver.calls[0] == (4, [128, 16, 4, 10], [row, head, page], [32, 16, 1, 1])
+    assert driver.calls[1] == (5, [32, 16, 4, 4, 10], [row, 64, head, page], [32, 16, 4, 1, 1])
