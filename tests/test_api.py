@@ -326,3 +326,33 @@ def test_the_call_signature_records_whether_gradients_are_wanted():
     assert api._signature(leaf, q, q, ())[api._KEY_GRAD] is True
     with torch.no_grad():
         assert api._signature(leaf, q, q, ())[api._KEY_GRAD] is False
+
+
+def test_a_repeated_cpu_call_is_kept_without_its_tensors(monkeypatch):
+    """The CPU's calls are kept by signature like CUDA's plans: a repeat checks nothing again (half the host time
+    of a small call), and the kept call holds no tensor of the call that made it."""
+    from flashtile import dispatch
+
+    monkeypatch.setattr(api, "_calls", {})
+    q, k, v = qkv()
+    first = flashtile.attention(q, k, v, causal=True)
+    (kept,) = api._calls.values()
+    assert isinstance(kept, dispatch.GeneralCall) and kept.problem.q is None and kept.problem.k is None
+
+    def no_checks(*args):
+        raise AssertionError("a kept call ran the checks again")
+    monkeypatch.setattr(api, "_check_tensor", no_checks)
+    q2, k2, v2 = (t + 1 for t in (q, k, v))
+    torch.testing.assert_close(flashtile.attention(q2, k2, v2, causal=True),
+                               attention_ref(q2, k2, v2, causal=True)[0].float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flashtile.attention(q, k, v, causal=True), first, rtol=0, atol=0)
+
+
+def test_a_kept_cpu_call_does_not_serve_another_device_of_the_same_signature(monkeypatch):
+    """A signature records the device index, which the CPU and meta share (-1): meta operands still get the
+    full path's clear error."""
+    monkeypatch.setattr(api, "_calls", {})
+    q, k, v = qkv(dtype=torch.float64)
+    flashtile.attention(q, k, v)
+    with pytest.raises(TypeError, match="q is torch.float64.*CPU-only"):
+        flashtile.attention(q.to("meta"), k.to("meta"), v.to("meta"))

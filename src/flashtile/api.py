@@ -171,9 +171,9 @@ def _run(call, q, k, v, grad: bool, return_lse: bool):
 
 
 # Input signature (shapes, strides, dtypes, devices, options, whether gradients are wanted) -> the
-# dispatch.PlannedCall its first call produced. A repeated call checks nothing again: everything the checks
+# dispatch.PlannedCall (or, on the CPU, dispatch.GeneralCall) its first call produced. A repeated call checks nothing again: everything the checks
 # looked at is in the signature.
-_calls: dict[tuple, dispatch.PlannedCall] = {}
+_calls: dict[tuple, dispatch.PlannedCall | dispatch.GeneralCall] = {}
 MAX_CALLS = 4096  # inference over ever-new shapes (e.g. a growing KV length) must not grow the cache forever
 
 
@@ -258,7 +258,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
     call = dispatch.planned_call(problem, rung, deterministic, grad)
     if call is None:
         call = dispatch.GeneralCall(problem, deterministic, rung)
-    elif key is not None:
+    # Kept: a plan, or the CPU's general call (on CUDA a general call may only mean these operands were misaligned,
+    # and the next call's may not be).
+    if key is not None and (not q.is_cuda or isinstance(call, dispatch.PlannedCall)):
         if len(_calls) >= MAX_CALLS:
             _calls.clear()
         _calls[key] = call

