@@ -171,8 +171,8 @@ def _run(call, q, k, v, grad: bool, return_lse: bool):
 
 
 # Input signature (shapes, strides, dtypes, devices, options, whether gradients are wanted) -> the
-# dispatch.PlannedCall (or, on the CPU, dispatch.GeneralCall) its first call produced. A repeated call checks nothing again: everything the checks
-# looked at is in the signature.
+# dispatch.PlannedCall (or, on the CPU, dispatch.GeneralCall) its first call produced. A repeated call checks
+# nothing again: everything the checks looked at is in the signature. Kept calls hold no tensors.
 _calls: dict[tuple, dispatch.PlannedCall | dispatch.GeneralCall] = {}
 MAX_CALLS = 4096  # inference over ever-new shapes (e.g. a growing KV length) must not grow the cache forever
 
@@ -256,14 +256,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
         return (o, lse) if return_lse else o
     problem = FwdProblem(q, k, v, scale, window, softcap, alibi_slopes, want_lse=return_lse or grad)
     call = dispatch.planned_call(problem, rung, deterministic, grad)
+    kept = call
     if call is None:
         call = dispatch.GeneralCall(problem, deterministic, rung)
-    # Kept: a plan, or the CPU's general call (on CUDA a general call may only mean these operands were misaligned,
-    # and the next call's may not be).
-    if key is not None and (not q.is_cuda or isinstance(call, dispatch.PlannedCall)):
+        # The CPU's general call is kept too, without this call's operands; on CUDA a general call may only mean
+        # that these operands were misaligned, and the next call's may not be.
+        kept = None if q.is_cuda else dispatch.GeneralCall(problem.on(None, None, None), deterministic, rung)
+    if key is not None and kept is not None:
         if len(_calls) >= MAX_CALLS:
             _calls.clear()
-        _calls[key] = call
+        _calls[key] = kept
     return _run(call, q, k, v, grad, return_lse)
 
 

@@ -111,12 +111,17 @@ class DecodePlan:
         return o, lse
 
 
+def _maps_feed(spec: specs.KernelSpec) -> bool:
+    """Whether tensor maps feed this build's K/V (Hopper), not cp.async."""
+    return bool(spec.kv_maps and spec.kv_maps.rows)
+
+
 def group_rows(spec: specs.KernelSpec, page_size: int, head_dim: int) -> int:
     """The row groups of the build that reads pages of `page_size` rows (specs.DECODE_GROUPED_PAGE_ROWS), or 0 when
     `spec`, the family's build, reads them itself: it loads K/V with cp.async, the pages are large enough, or the
     head dim is not a whole number of 64-byte column blocks (a group's box spans the head dim exactly)."""
     rows = page_size & -page_size
-    if not spec.kv_maps or not spec.kv_maps.rows or rows not in specs.DECODE_GROUPED_PAGE_ROWS:
+    if not _maps_feed(spec) or rows not in specs.DECODE_GROUPED_PAGE_ROWS:
         return 0
     return rows if head_dim % specs.NARROW_BOX_COLS == 0 else 0
 
@@ -124,7 +129,7 @@ def group_rows(spec: specs.KernelSpec, page_size: int, head_dim: int) -> int:
 def more_specs(variant: Variant) -> tuple[specs.KernelSpec, ...]:
     """The builds a plan may load besides the family's: one per row-group size, where pages take them."""
     spec = specs.decode_spec(variant.dtype_name, variant.head_dim, variant.head_dim_v, variant.arch)
-    if not spec.kv_maps or not spec.kv_maps.rows or variant.head_dim != variant.head_dim_v:
+    if not _maps_feed(spec) or variant.head_dim != variant.head_dim_v:
         return ()
     return tuple(specs.decode_spec(variant.dtype_name, variant.head_dim, variant.head_dim_v, variant.arch, rows)
                  for rows in specs.DECODE_GROUPED_PAGE_ROWS)

@@ -161,13 +161,12 @@ def planned_call(problem: FwdProblem, rung, deterministic: bool, want_grad: bool
 
 class GeneralCall:
     """A call the general path serves (the CPU's, and CUDA calls no plan takes): the checked problem's options;
-    each run brings its own q, k, v. It keeps the problem without its operands, so the call cache holds no
-    tensors."""
+    each run brings its own q, k, v."""
 
     __slots__ = ("problem", "deterministic", "rung")
 
     def __init__(self, problem: FwdProblem, deterministic: bool, rung="auto"):
-        self.problem = problem.on(None, None, None) if problem.alibi_slopes is None and not problem.varlen else problem
+        self.problem = problem
         self.deterministic = deterministic
         self.rung = rung
 

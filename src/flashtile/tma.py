@@ -71,7 +71,9 @@ def _encode(t: torch.Tensor, box: KvBox) -> bytes:
 
 
 def _map(t: torch.Tensor, box: KvBox) -> bytes:
-    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, box)
+    # The box as ints, which hash in C (a frozen dataclass hashes and compares in Python): a decode step asks for
+    # its maps on every call.
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, box.rows, box.cols, box.blocks)
     encoded = _kept.get(key)
     if encoded is None:
         if len(_kept) >= MAX_KEPT_MAPS:

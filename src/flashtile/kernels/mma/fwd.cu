@@ -113,8 +113,9 @@ __device__ __forceinline__ void zero_rows_from(elem_t* tile, int first) {
 }
 
 // Decode builds: the key warps' softmax states merge into warp 0's registers through shared memory (`scratch`,
-// the K/V stages, adjacent in SharedStorage and free once the last tile has been read). Each warp measures its exponentials from its own
-// reference maximum; the block's is the largest, and a warp's sums and O scale by 2^(its reference - the block's).
+// the K/V stages, adjacent in SharedStorage and free once the last tile has been read). Each warp measures its
+// exponentials from its own reference maximum; the block's is the largest, and a warp's sums and O scale by
+// 2^(its reference - the block's).
 // A warp that saw no key (reference -inf) adds nothing; a NaN reference makes the row's factor, so its O, NaN.
 constexpr int kMergeLaneValues = kSlabs * 2;                // a lane's rows: the maxima and sums it keeps
 constexpr int kMergeOutValues = kSlabs * kOutTiles * 4;     // a lane's O accumulators
@@ -259,9 +260,9 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     // boxes of `page_rows` rows, the largest power of two dividing the page size, at most a tile; with row groups,
     // as (64-byte column, page rows, column block, kv heads, pages) with boxes of a group's rows by every column
     // block. Warp 0 loads a tile, lane i its rows [i * page_rows, (i + 1) * page_rows); each lane reads its page
-    // index one load ahead (tiles load in order), so the block table's latency stays off the loop. Boxes past the sequence start at row page_size of its first page,
-    // out of the map, so they arrive as zeros. Guarded by the preprocessor: left to dead-code elimination, this
-    // state made ptxas spill in rung 4's d128 Hopper build.
+    // index one load ahead (tiles load in order), so the block table's latency stays off the loop. Boxes past the
+    // sequence start at row page_size of its first page, out of the map, so they arrive as zeros. Guarded by the
+    // preprocessor: left to dead-code elimination, this state made ptxas spill in rung 4's d128 Hopper build.
 #if FT_DECODE
     const int page_rows = kRowGroups ? kKvGroupRows : min(p.page_size & -p.page_size, kBlockN);
     const int* pages = p.block_table + b * p.block_table_batch_stride;
