@@ -43,6 +43,7 @@ TILE_VARIANTS = {
     "no-pingpong": {"pingpong": False},
     "2-stages": {"stages": 2},
     "4-stages": {"stages": 4},
+    "128-rows": {"block_m": 128},
 }
 
 

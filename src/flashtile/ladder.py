@@ -63,6 +63,28 @@ def _grid_plan(entry: str, block_m_define: str, threads_of):
     return plan
 
 
+@functools.cache
+def sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _persistent_plan(entry: str, threads_of):
+    """The plan of a rung whose blocks loop over the (query block, head, batch) work tiles. Without a mask every
+    tile costs the same: one block per SM takes its share in turn. Under a mask the tiles' costs differ and a
+    fixed share would leave some SMs with twice the work of others: one block per tile, heaviest first, lets
+    the hardware hand the next tile to whichever SM frees first."""
+    def plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None = None) -> plans.FwdPlan:
+        spec = module.spec
+        defines = dict(spec.defines)
+        work_tiles = -(-problem.seqlen_q // defines["FT_BLOCK_M"]) * problem.heads_q * problem.batch
+        loops = defines["FT_PERSISTENT"] and problem.window == (-1, -1)
+        blocks = min(work_tiles, sm_count(problem.q.device.index)) if loops else work_tiles
+        grid = (max(1, blocks), 1, 1)
+        step = Launch(module.kernels[entry], grid, threads_of(defines), spec.smem_bytes)
+        return fwd_plan(problem, (step,), kv_box=spec.kv_maps, outputs=outputs)
+    return plan
+
+
 def pipelined_tile(variant: Variant) -> specs.Tile:
     padded = max(specs.pick_padded(n, specs.FWD_HEAD_DIMS) for n in (variant.head_dim, variant.head_dim_v))
     return specs.fwd_tile(padded, variant.arch, variant.score_mods)
@@ -119,7 +141,7 @@ RUNGS: tuple[Family, ...] = (
            "to them by setmaxnreg",
            Serves(_TENSOR_CORE_DTYPES, max(specs.HOPPER_FWD_TILES), _BASIC, (9, 0), extra=_hopper_why_not),
            lambda v: specs.hopper_fwd_spec(v.dtype_name, *_hopper_dims(v), hopper_tile(v)),
-           _grid_plan("attn_fwd", "FT_BLOCK_M", lambda d: specs.hopper_fwd_threads(d["FT_BLOCK_M"])),
+           _persistent_plan("attn_fwd", lambda d: specs.hopper_fwd_threads(d["FT_BLOCK_M"])),
            rung=5, tile=hopper_tile),
 )
 BY_NAME = {r.name: r for r in RUNGS}

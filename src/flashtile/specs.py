@@ -360,6 +360,7 @@ class HopperFwdTile:
     stages: int
     why: str
     pingpong: bool = True  # the consumers take turns issuing their products
+    persistent: bool = True  # blocks loop over work tiles (kernels/wgmma/fwd.cu; flashtile/ladder.py's plan)
 
     @property
     def consumers(self) -> int:
@@ -382,7 +383,8 @@ HOPPER_FWD_TILES = {
     128: HopperFwdTile(128, 128, 2, "two consumers of 240 registers: S 64 + O 64 + P 32; two stages level with "
                                     "three once K and V free their slots apart; 161 KB"),
     256: HopperFwdTile(128, 64, 2, "two consumers: O 128 + S 32 + P 16 registers; a 128-key tile would need "
-                                   "S 64 more; 193 KB, so two stages"),
+                                   "S 64 more; 193 KB, so two stages; one work tile per block: the persistent "
+                                   "loop's bookkeeping spills 8 bytes under NVRTC 13.0", persistent=False),
 }
 
 
@@ -403,7 +405,7 @@ def hopper_fwd_smem(d: int, dv: int, tile: HopperFwdTile) -> int:
 def hopper_fwd_spec(dtype: str, d: int, dv: int, tile: HopperFwdTile) -> KernelSpec:
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", tile.block_m), ("FT_BLOCK_N", tile.block_n),
                ("FT_STAGES", tile.stages), ("FT_PINGPONG", int(tile.pingpong)), ("FT_PRODUCER_REGISTERS", PRODUCER_REGISTERS),
-               ("FT_CONSUMER_REGISTERS", CONSUMER_REGISTERS[tile.consumers]))
+               ("FT_CONSUMER_REGISTERS", CONSUMER_REGISTERS[tile.consumers]), ("FT_PERSISTENT", int(tile.persistent)))
     return KernelSpec("wgmma/fwd.cu", ("attn_fwd",), dtype, "sm_90a", defines, hopper_fwd_smem(d, dv, tile),
                       kv_maps=KvBox(tile.block_n, WIDE_BOX_COLS))
 

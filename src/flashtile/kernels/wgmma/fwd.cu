@@ -24,8 +24,9 @@
 //             of S_i while P V is still on the tensor cores (O is rescaled once it lands); with ping-pong
 //             (FT_PINGPONG) the consumers also take turns issuing their products, so one warpgroup's
 //             exponentials run while another's products do.
-// Wastes:   O leaves through ordinary stores; one block per (query block, head, batch), so a block's prologue
-//           and epilogue do not overlap another tile's loop.
+//           * persistent blocks (one per SM without a mask) take the work tiles (query block, head, batch) in
+//             turn; the producer loads a block's next tile while its consumers finish the last one's epilogue.
+// Wastes:   O leaves through ordinary stores; Q loads after the previous tile's epilogue, by the consumers.
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
 #include "../common/tile.cuh"
@@ -38,6 +39,7 @@ constexpr int kBlockM = FT_BLOCK_M;        // query rows per block: 64 per consu
 constexpr int kBlockN = FT_BLOCK_N;        // keys per tile                                 } HOPPER_FWD_TILES
 constexpr int kStages = FT_STAGES;         // K/V stages in the ring                        } says why
 constexpr bool kPingPong = FT_PINGPONG;    // consumers take turns on the tensor cores
+constexpr bool kPersistent = FT_PERSISTENT;  // a block loops over work tiles; otherwise it takes one
 constexpr int kProducerRegisters = FT_PRODUCER_REGISTERS;  // per thread, after setmaxnreg
 constexpr int kConsumerRegisters = FT_CONSUMER_REGISTERS;
 
@@ -117,16 +119,32 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     // The warpgroup index must look uniform to the compiler (wgmma on a path it thinks divergent is serialized).
     const int warpgroup = __shfl_sync(kFullWarpMask, threadIdx.x / kWarpgroupThreads, 0);
 
-    // Heaviest blocks first: under a causal mask the last query block sees the most keys.
-    const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const Problem pr = locate_problem(p, b, h);
-    const int m0 = m_block * kBlockM;
-    if (m0 >= pr.seqlen_q) return;
-    const int m1 = min(m0 + kBlockM, pr.seqlen_q);
-    const Mask mask(p.window_left, p.window_right, pr.seqlen_q, pr.seqlen_k);
-    const Mask::Tiles tiles = mask.key_tiles<kBlockN>(m0, m1);
-    const int n_begin = tiles.begin, n_tiles = tiles.count;
+    // Persistent blocks: block i takes the work tiles (query block, head, batch) i, i + gridDim.x, ... (the plan
+    // launches one block per SM where the tiles cost the same, one per tile under a mask). The query blocks of
+    // one head are numbered together, so the blocks running at once share that head's K and V in L2, and
+    // heaviest first (under a causal mask the last query block sees the most keys). The producer runs ahead into
+    // a block's next tile while its consumers finish the last one, so a tile's first K/V loads overlap the
+    // previous tile's epilogue. The ring's stages and phases run on across tiles: `kv_base` counts the K/V tiles
+    // a block has gone through before the current work tile.
+    const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
+    const int work_tiles = m_blocks * p.heads_q * p.batch;
+    struct Work {
+        int m0, m1, h, b;
+        Problem pr;
+        Mask::Tiles tiles;
+    };
+    auto work = [&](int index) {
+        Work w;
+        const int m_block = m_blocks - 1 - index % m_blocks, hb = index / m_blocks;
+        w.h = hb % p.heads_q;
+        w.b = hb / p.heads_q;
+        w.pr = locate_problem(p, w.b, w.h);
+        w.m0 = m_block * kBlockM;
+        w.m1 = min(w.m0 + kBlockM, w.pr.seqlen_q);
+        const Mask mask(p.window_left, p.window_right, w.pr.seqlen_q, w.pr.seqlen_k);
+        w.tiles = w.m0 < w.pr.seqlen_q ? mask.key_tiles<kBlockN>(w.m0, w.m1) : Mask::Tiles{0, 0};
+        return w;
+    };
 
     const u32 k_smem = smem_addr(smem.k[0]), v_smem = smem_addr(smem.v[0]);
     const u32 k_full = smem_addr(smem.k_full), v_full = smem_addr(smem.v_full);
@@ -148,229 +166,251 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
         // rows, kv heads, batch); rows past the sequence read as zeros.
         setmaxnreg_dec<kProducerRegisters>();
         if (threadIdx.x != kProducerThread) return;
-        const int map_row0 = (int)pr.k_start, map_head = h / p.group, map_batch = b;
-        for (int it = 0; it < n_tiles; ++it) {
-            const int stage = it % kStages, round = it / kStages, n0 = n_begin + it * kBlockN;
-            const u32 k_bar = k_full + stage * kMbarrierBytes, v_bar = v_full + stage * kMbarrierBytes;
-            if (round > 0) mbarrier_wait(k_empty + stage * kMbarrierBytes, (round - 1) & 1);
-            mbarrier_arrive_expect_bytes(k_bar, kKStageBytes);
+        int kv_base = 0;
+        for (int index = blockIdx.x; index < work_tiles; index += gridDim.x) {
+            const Work w = work(index);
+            const int map_row0 = (int)w.pr.k_start, map_head = w.h / p.group, map_batch = w.b;
+            for (int it = 0; it < w.tiles.count; ++it) {
+                const int ring = kv_base + it, stage = ring % kStages, round = ring / kStages;
+                const int n0 = w.tiles.begin + it * kBlockN;
+                const u32 k_bar = k_full + stage * kMbarrierBytes, v_bar = v_full + stage * kMbarrierBytes;
+                if (round > 0) mbarrier_wait(k_empty + stage * kMbarrierBytes, (round - 1) & 1);
+                mbarrier_arrive_expect_bytes(k_bar, kKStageBytes);
 #pragma unroll
-            for (int blk = 0; blk < kHeadDim / kSwizzleRowElems; ++blk)
-                tma_load_4d(k_smem + stage * kKStageBytes + blk * kColumnBlockBytes<KTile>, maps.k,
-                            blk * kSwizzleRowElems, map_row0 + n0, map_head, map_batch, k_bar);
-            if (round > 0) mbarrier_wait(v_empty + stage * kMbarrierBytes, (round - 1) & 1);
-            mbarrier_arrive_expect_bytes(v_bar, kVStageBytes);
+                for (int blk = 0; blk < kHeadDim / kSwizzleRowElems; ++blk)
+                    tma_load_4d(k_smem + stage * kKStageBytes + blk * kColumnBlockBytes<KTile>, maps.k,
+                                blk * kSwizzleRowElems, map_row0 + n0, map_head, map_batch, k_bar);
+                if (round > 0) mbarrier_wait(v_empty + stage * kMbarrierBytes, (round - 1) & 1);
+                mbarrier_arrive_expect_bytes(v_bar, kVStageBytes);
 #pragma unroll
-            for (int blk = 0; blk < kHeadDimV / kSwizzleRowElems; ++blk)
-                tma_load_4d(v_smem + stage * kVStageBytes + blk * kColumnBlockBytes<VTile>, maps.v,
-                            blk * kSwizzleRowElems, map_row0 + n0, map_head, map_batch, v_bar);
+                for (int blk = 0; blk < kHeadDimV / kSwizzleRowElems; ++blk)
+                    tma_load_4d(v_smem + stage * kVStageBytes + blk * kColumnBlockBytes<VTile>, maps.v,
+                                blk * kSwizzleRowElems, map_row0 + n0, map_head, map_batch, v_bar);
+            }
+            kv_base += w.tiles.count;
+            if constexpr (!kPersistent) break;
         }
         return;
     }
 
-    // Consumers: warpgroup c owns query rows [64 (c - 1), 64 c) of the block.
+    // Consumers: warpgroup c owns query rows [64 (c - 1), 64 c) of each work tile.
     setmaxnreg_inc<kConsumerRegisters>();
     const int consumer = warpgroup - 1;
     const int tid = threadIdx.x % kWarpgroupThreads, warp = tid / kWarpSize, lane = tid % kWarpSize;
     const int g = lane / kQuad, t = lane % kQuad;
-    const int row0 = m0 + consumer * kWgmmaM;         // this warpgroup's first query row
-    const int warp_row0 = row0 + warp * kMmaM;        // this warp's; a lane has rows g and g + 8 from it
     const u32 q_tile = smem_addr(smem.q[consumer]);
     const int barrier = kConsumerBarrierBase + consumer;
-
-    // Q: this warpgroup's rows, by its own threads (cp.async; rows past the sequence and columns past the real
-    // head dim read as zeros), published to its products through the async proxy.
-    static_assert(TileLoader<kWgmmaM, kHeadDim, kWarpgroupThreads, true>::kAllThreads, "every thread copies");
-    TileLoader<kWgmmaM, kHeadDim, kWarpgroupThreads, true>(static_cast<const elem_t*>(p.q) + pr.q_offset,
-                                                             p.q_row_stride, p.head_dim, tid)
-        .issue(q_tile, row0, pr.seqlen_q);
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();
-    named_barrier_sync(barrier, kWarpgroupThreads);
-
     const float log2_factor = p.scale_log2;
-    float o[kOutProducts][kOutAccumulators] = {};
-    float row_max[2] = {kNegInf, kNegInf}, row_sum[2] = {0.f, 0.f};  // rows g and g + 8 of this warp
-    float s[kScoreAccumulators];   // the scores of the tile being softmaxed, then its probabilities
-    u32 p16[kScoreSteps][4];       // the probabilities of the tile whose O += P V is in flight
+    int kv_base = 0;
+    for (int index = blockIdx.x; index < work_tiles; index += gridDim.x) {
+        const Work w = work(index);
+        const Problem& pr = w.pr;
+        const int m0 = w.m0, n_begin = w.tiles.begin, n_tiles = w.tiles.count;
+        const Mask mask(p.window_left, p.window_right, pr.seqlen_q, pr.seqlen_k);
+        const int row0 = m0 + consumer * kWgmmaM;         // this warpgroup's first query row
+        const int warp_row0 = row0 + warp * kMmaM;        // this warp's; a lane has rows g and g + 8 from it
 
-    // The softmax of tile `it`'s scores in s: the mask (boundary tiles only), the rows' reference maxima (moved
-    // only when a score passes them by more than the threshold), P = exp2(s * factor - m_ref * factor) in place,
-    // the row sums. Returns whether O must be rescaled, by `correction` per row, before P V is added.
-    float correction[2];
-    auto softmax = [&](int it, auto masked) {
-        const int n0 = n_begin + it * kBlockN;
-        float tile_max[2];
+        // Q: this warpgroup's rows, by its own threads (cp.async; rows past the sequence and columns past the real
+        // head dim read as zeros), published to its products through the async proxy.
+        static_assert(TileLoader<kWgmmaM, kHeadDim, kWarpgroupThreads, true>::kAllThreads, "every thread copies");
+        TileLoader<kWgmmaM, kHeadDim, kWarpgroupThreads, true>(static_cast<const elem_t*>(p.q) + pr.q_offset,
+                                                                 p.q_row_stride, p.head_dim, tid)
+            .issue(q_tile, row0, pr.seqlen_q);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        named_barrier_sync(barrier, kWarpgroupThreads);
+
+        float o[kOutProducts][kOutAccumulators] = {};
+        float row_max[2] = {kNegInf, kNegInf}, row_sum[2] = {0.f, 0.f};  // rows g and g + 8 of this warp
+        float s[kScoreAccumulators];   // the scores of the tile being softmaxed, then its probabilities
+        u32 p16[kScoreSteps][4];       // the probabilities of the tile whose O += P V is in flight
+
+        // The softmax of tile `it`'s scores in s: the mask (boundary tiles only), the rows' reference maxima (moved
+        // only when a score passes them by more than the threshold), P = exp2(s * factor - m_ref * factor) in place,
+        // the row sums. Returns whether O must be rescaled, by `correction` per row, before P V is added.
+        float correction[2];
+        auto softmax = [&](int it, auto masked) {
+            const int n0 = n_begin + it * kBlockN;
+            float tile_max[2];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = warp_row0 + g + 8 * half;
-            const int col0 = n0 + 2 * t;  // columns relative to this lane's first: the row sees keys [lo, hi)
-            const int lo = mask.first_key(row) - col0, hi = mask.end_key(row) - col0;
-            float mx = kNegInf;
+            for (int half = 0; half < 2; ++half) {
+                const int row = warp_row0 + g + 8 * half;
+                const int col0 = n0 + 2 * t;  // columns relative to this lane's first: the row sees keys [lo, hi)
+                const int lo = mask.first_key(row) - col0, hi = mask.end_key(row) - col0;
+                float mx = kNegInf;
 #pragma unroll
-            for (int j = 0; j < kBlockN / kMmaN; ++j)
+                for (int j = 0; j < kBlockN / kMmaN; ++j)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float& x = s[4 * j + 2 * half + e];
-                    if constexpr (decltype(masked)::value) {
-                        const int col = j * kMmaN + e;
-                        if (col < lo || col >= hi) x = kNegInf;
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = s[4 * j + 2 * half + e];
+                        if constexpr (decltype(masked)::value) {
+                            const int col = j * kMmaN + e;
+                            if (col < lo || col >= hi) x = kNegInf;
+                        }
+                        mx = fmaxf(mx, x);
                     }
-                    mx = fmaxf(mx, x);
-                }
-            tile_max[half] = quad_max(mx);
-        }
-        bool moved = false;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) moved |= (tile_max[half] - row_max[half]) * log2_factor > kRescaleThreshold;
-        const bool rescale = __any_sync(kFullWarpMask, moved);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            correction[half] = 1.f;
-            if (rescale) {
-                const float m_new = fmaxf(row_max[half], tile_max[half]);
-                correction[half] = m_new == kNegInf ? 1.f : fast_exp2((row_max[half] - m_new) * log2_factor);
-                row_max[half] = m_new;
-                row_sum[half] *= correction[half];
+                tile_max[half] = quad_max(mx);
             }
-            const float shift = row_max[half] == kNegInf ? 0.f : row_max[half] * log2_factor;
-            float tile_sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < kBlockN / kMmaN; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float& x = s[4 * j + 2 * half + e];
-                    x = fast_exp2(x * log2_factor - shift);
-                    tile_sum += x;
-                }
-            row_sum[half] += tile_sum;
-        }
-        return rescale;
-    };
-    auto softmax_of = [&](int it) {
-        const int n0 = n_begin + it * kBlockN;
-        return mask.tile_unmasked(row0, min(row0 + kWgmmaM, pr.seqlen_q), n0, n0 + kBlockN)
-                   ? softmax(it, Bool<false>()) : softmax(it, Bool<true>());
-    };
-    auto to_p16 = [&] {
-#pragma unroll
-        for (int kk = 0; kk < kScoreSteps; ++kk) accumulators_to_a(p16[kk], n8_tile(s, 2 * kk), n8_tile(s, 2 * kk + 1));
-    };
-    auto fence_o = [&] {
-#pragma unroll
-        for (int n = 0; n < kOutProducts; ++n) fence_operands(o[n]);
-    };
-    // Tile `it`'s K or V slot back to the producer, once this warp's products have read it.
-    auto release_k = [&](int it) { if (lane == 0) mbarrier_arrive(k_empty + (it % kStages) * kMbarrierBytes); };
-    auto release_v = [&](int it) { if (lane == 0) mbarrier_arrive(v_empty + (it % kStages) * kMbarrierBytes); };
-    auto wait_k = [&](int it) { mbarrier_wait(k_full + (it % kStages) * kMbarrierBytes, (it / kStages) & 1); };
-    auto wait_v = [&](int it) { mbarrier_wait(v_full + (it % kStages) * kMbarrierBytes, (it / kStages) & 1); };
-    auto k_tile = [&](int it) { return k_smem + (it % kStages) * kKStageBytes; };
-    auto v_tile = [&](int it) { return v_smem + (it % kStages) * kVStageBytes; };
-
-    // Ping-pong: the consumers take turns issuing their products (named barriers in a ring), so that while one
-    // warpgroup's products run on the tensor cores the others compute their softmax. Each round of products is
-    // bracketed by waiting for this warpgroup's turn and passing the turn on; the last consumer passes nothing
-    // on after its last round (nobody would take it).
-    auto turn_begin = [&] {
-        if constexpr (kPingPong) named_barrier_sync(kTurnBarrierBase + consumer, 2 * kWarpgroupThreads);
-    };
-    auto turn_end = [&](bool last_round) {
-        if constexpr (kPingPong)
-            if (!(last_round && consumer == kConsumers - 1))
-                named_barrier_arrive(kTurnBarrierBase + (consumer + 1) % kConsumers, 2 * kWarpgroupThreads);
-    };
-    if (kPingPong && consumer == kConsumers - 1 && n_tiles > 0)
-        named_barrier_arrive(kTurnBarrierBase, 2 * kWarpgroupThreads);  // the first turn is consumer 0's
-
-    // The loop keeps two products in flight: round `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}, then
-    // runs the softmax of S_it while P V still runs; O is rescaled once P V has landed.
-    if (n_tiles > 0) {
-        wait_k(0);
-        turn_begin();
-        fence_operands(s);
-        wgmma_fence();
-        scores(s, q_tile, k_tile(0));
-        wgmma_commit();
-        turn_end(false);
-        wgmma_wait<0>();
-        fence_operands(s);
-        release_k(0);
-        softmax_of(0);  // O is still zero: nothing to rescale
-        to_p16();
-    }
-    for (int it = 1; it < n_tiles; ++it) {
-        wait_k(it);
-        wait_v(it - 1);
-        turn_begin();
-        fence_operands(s);
-        fence_o();
-        wgmma_fence();
-        scores(s, q_tile, k_tile(it));
-        wgmma_commit();
-        add_values(o, p16, v_tile(it - 1));
-        wgmma_commit();
-        turn_end(false);
-        wgmma_wait<1>();
-        fence_operands(s);
-        release_k(it);
-        const bool rescale = softmax_of(it);
-        wgmma_wait<0>();
-        fence_o();
-        release_v(it - 1);
-        if (rescale) {
+            bool moved = false;
 #pragma unroll
             for (int half = 0; half < 2; ++half)
+                moved |= (tile_max[half] - row_max[half]) * log2_factor > kRescaleThreshold;
+            const bool rescale = __any_sync(kFullWarpMask, moved);
 #pragma unroll
-                for (int n = 0; n < kOutProducts; ++n)
+            for (int half = 0; half < 2; ++half) {
+                correction[half] = 1.f;
+                if (rescale) {
+                    const float m_new = fmaxf(row_max[half], tile_max[half]);
+                    correction[half] = m_new == kNegInf ? 1.f : fast_exp2((row_max[half] - m_new) * log2_factor);
+                    row_max[half] = m_new;
+                    row_sum[half] *= correction[half];
+                }
+                const float shift = row_max[half] == kNegInf ? 0.f : row_max[half] * log2_factor;
+                float tile_sum = 0.f;
 #pragma unroll
-                    for (int j = 0; j < kOutN / kMmaN; ++j) {
-                        o[n][4 * j + 2 * half] *= correction[half];
-                        o[n][4 * j + 2 * half + 1] *= correction[half];
+                for (int j = 0; j < kBlockN / kMmaN; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = s[4 * j + 2 * half + e];
+                        x = fast_exp2(x * log2_factor - shift);
+                        tile_sum += x;
                     }
-        }
-        to_p16();
-    }
-    if (n_tiles > 0) {
-        wait_v(n_tiles - 1);
-        turn_begin();
-        fence_o();
-        wgmma_fence();
-        add_values(o, p16, v_tile(n_tiles - 1));
-        wgmma_commit();
-        turn_end(true);
-        wgmma_wait<0>();
-        fence_o();
-        release_v(n_tiles - 1);
-    }
+                row_sum[half] += tile_sum;
+            }
+            return rescale;
+        };
+        auto softmax_of = [&](int it) {
+            const int n0 = n_begin + it * kBlockN;
+            return mask.tile_unmasked(row0, min(row0 + kWgmmaM, pr.seqlen_q), n0, n0 + kBlockN)
+                       ? softmax(it, Bool<false>()) : softmax(it, Bool<true>());
+        };
+        auto to_p16 = [&] {
+#pragma unroll
+            for (int kk = 0; kk < kScoreSteps; ++kk)
+                accumulators_to_a(p16[kk], n8_tile(s, 2 * kk), n8_tile(s, 2 * kk + 1));
+        };
+        auto fence_o = [&] {
+#pragma unroll
+            for (int n = 0; n < kOutProducts; ++n) fence_operands(o[n]);
+        };
+        // Tile `it`'s K or V slot back to the producer, once this warp's products have read it; its place in the ring.
+        auto stage_of = [&](int it) { return (kv_base + it) % kStages; };
+        auto phase_of = [&](int it) { return ((kv_base + it) / kStages) & 1; };
+        auto release_k = [&](int it) { if (lane == 0) mbarrier_arrive(k_empty + stage_of(it) * kMbarrierBytes); };
+        auto release_v = [&](int it) { if (lane == 0) mbarrier_arrive(v_empty + stage_of(it) * kMbarrierBytes); };
+        auto wait_k = [&](int it) { mbarrier_wait(k_full + stage_of(it) * kMbarrierBytes, phase_of(it)); };
+        auto wait_v = [&](int it) { mbarrier_wait(v_full + stage_of(it) * kMbarrierBytes, phase_of(it)); };
+        auto k_tile = [&](int it) { return k_smem + stage_of(it) * kKStageBytes; };
+        auto v_tile = [&](int it) { return v_smem + stage_of(it) * kVStageBytes; };
 
-    // Epilogue: normalise, stage this warpgroup's rows of O over its rows of Q (its products are done with them),
-    // store 16 bytes at a time.
-    elem_t* q_rows = smem.q[consumer];
+        // Ping-pong: the consumers take turns issuing their products (named barriers in a ring), so that while one
+        // warpgroup's products run on the tensor cores the others compute their softmax. Each round of products is
+        // bracketed by waiting for this warpgroup's turn and passing the turn on; the last consumer passes nothing
+        // on after its last round (nobody would take it).
+        auto turn_begin = [&] {
+            if constexpr (kPingPong) named_barrier_sync(kTurnBarrierBase + consumer, 2 * kWarpgroupThreads);
+        };
+        auto turn_end = [&](bool last_round) {
+            if constexpr (kPingPong)
+                if (!(last_round && consumer == kConsumers - 1))
+                    named_barrier_arrive(kTurnBarrierBase + (consumer + 1) % kConsumers, 2 * kWarpgroupThreads);
+        };
+        if (kPingPong && consumer == kConsumers - 1 && n_tiles > 0)
+            named_barrier_arrive(kTurnBarrierBase, 2 * kWarpgroupThreads);  // the first turn is consumer 0's
+
+        // The loop keeps two products in flight: round `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}, then
+        // runs the softmax of S_it while P V still runs; O is rescaled once P V has landed.
+        if (n_tiles > 0) {
+            wait_k(0);
+            turn_begin();
+            fence_operands(s);
+            wgmma_fence();
+            scores(s, q_tile, k_tile(0));
+            wgmma_commit();
+            turn_end(false);
+            wgmma_wait<0>();
+            fence_operands(s);
+            release_k(0);
+            softmax_of(0);  // O is still zero: nothing to rescale
+            to_p16();
+        }
+        for (int it = 1; it < n_tiles; ++it) {
+            wait_k(it);
+            wait_v(it - 1);
+            turn_begin();
+            fence_operands(s);
+            fence_o();
+            wgmma_fence();
+            scores(s, q_tile, k_tile(it));
+            wgmma_commit();
+            add_values(o, p16, v_tile(it - 1));
+            wgmma_commit();
+            turn_end(false);
+            wgmma_wait<1>();
+            fence_operands(s);
+            release_k(it);
+            const bool rescale = softmax_of(it);
+            wgmma_wait<0>();
+            fence_o();
+            release_v(it - 1);
+            if (rescale) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int local_row = warp * kMmaM + g + 8 * half;
-        const float l = quad_sum(row_sum[half]);
-        const float inv_l = saw_keys(l) ? 1.f / l : 0.f;
+                for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int n = 0; n < kOutProducts; ++n)
+                    for (int n = 0; n < kOutProducts; ++n)
 #pragma unroll
-            for (int j = 0; j < kOutN / kMmaN; ++j)
-                *reinterpret_cast<u32*>(q_rows + QTile::offset(local_row, n * kOutN + j * kMmaN + 2 * t)) =
-                    pack2<elem_t>(o[n][4 * j + 2 * half] * inv_l, o[n][4 * j + 2 * half + 1] * inv_l);
-        const int row = row0 + local_row;
-        if (p.lse != nullptr && t == 0 && row < pr.seqlen_q)
-            p.lse[pr.lse_offset + row] = saw_keys(l) ? (row_max[half] * log2_factor + __log2f(l)) / kLog2e : kNegInf;
-    }
-    named_barrier_sync(barrier, kWarpgroupThreads);
-    elem_t* out = static_cast<elem_t*>(p.o) + pr.o_offset;
-    constexpr int kVecsPerRow = kHeadDimV / kElemsPerVector;
-    for (int idx = tid; idx < kWgmmaM * kVecsPerRow; idx += kWarpgroupThreads) {
-        const int local_row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
-        const int row = row0 + local_row;
-        if (row < pr.seqlen_q && col < p.head_dim_v)
-            *reinterpret_cast<uint4*>(out + (i64)row * p.o_row_stride + col) =
-                *reinterpret_cast<const uint4*>(q_rows + QTile::offset(local_row, col));
+                        for (int j = 0; j < kOutN / kMmaN; ++j) {
+                            o[n][4 * j + 2 * half] *= correction[half];
+                            o[n][4 * j + 2 * half + 1] *= correction[half];
+                        }
+            }
+            to_p16();
+        }
+        if (n_tiles > 0) {
+            wait_v(n_tiles - 1);
+            turn_begin();
+            fence_o();
+            wgmma_fence();
+            add_values(o, p16, v_tile(n_tiles - 1));
+            wgmma_commit();
+            turn_end(true);
+            wgmma_wait<0>();
+            fence_o();
+            release_v(n_tiles - 1);
+        }
+
+        // Epilogue: normalise, stage this warpgroup's rows of O over its rows of Q (its products are done with them),
+        // store 16 bytes at a time.
+        elem_t* q_rows = smem.q[consumer];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int local_row = warp * kMmaM + g + 8 * half;
+            const float l = quad_sum(row_sum[half]);
+            const float inv_l = saw_keys(l) ? 1.f / l : 0.f;
+#pragma unroll
+            for (int n = 0; n < kOutProducts; ++n)
+#pragma unroll
+                for (int j = 0; j < kOutN / kMmaN; ++j)
+                    *reinterpret_cast<u32*>(q_rows + QTile::offset(local_row, n * kOutN + j * kMmaN + 2 * t)) =
+                        pack2<elem_t>(o[n][4 * j + 2 * half] * inv_l, o[n][4 * j + 2 * half + 1] * inv_l);
+            const int row = row0 + local_row;
+            if (p.lse != nullptr && t == 0 && row < pr.seqlen_q)
+                p.lse[pr.lse_offset + row] =
+                    saw_keys(l) ? (row_max[half] * log2_factor + __log2f(l)) / kLog2e : kNegInf;
+        }
+        named_barrier_sync(barrier, kWarpgroupThreads);
+        elem_t* out = static_cast<elem_t*>(p.o) + pr.o_offset;
+        constexpr int kVecsPerRow = kHeadDimV / kElemsPerVector;
+        for (int idx = tid; idx < kWgmmaM * kVecsPerRow; idx += kWarpgroupThreads) {
+            const int local_row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
+            const int row = row0 + local_row;
+            if (row < pr.seqlen_q && col < p.head_dim_v)
+                *reinterpret_cast<uint4*>(out + (i64)row * p.o_row_stride + col) =
+                    *reinterpret_cast<const uint4*>(q_rows + QTile::offset(local_row, col));
+        }
+        named_barrier_sync(barrier, kWarpgroupThreads);  // O has left before the next work tile's Q lands there
+        kv_base += n_tiles;
+        if constexpr (!kPersistent) break;
     }
 }
