@@ -69,18 +69,23 @@ def sm_count(device: int) -> int:
 
 
 def _persistent_plan(entry: str, threads_of):
-    """The plan of a rung whose blocks loop over the (query block, head, batch) work tiles. Without a mask every
-    tile costs the same: one block per SM takes its share in turn. Under a mask the tiles' costs differ and a
-    fixed share would leave some SMs with twice the work of others: one block per tile, heaviest first, lets
-    the hardware hand the next tile to whichever SM frees first."""
+    """The plan of a rung whose blocks loop over work units (kernels/wgmma/fwd.cu): one block per SM, at most one
+    per unit, where the units cost the same: without a mask (a unit is a work tile) and under a causal mask (a
+    unit pairs a head's heaviest and lightest query blocks). Under other masks the tiles' costs differ, and one
+    block per tile, heaviest first, lets the hardware hand the next tile to whichever SM frees first."""
     def plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None = None) -> plans.FwdPlan:
         spec = module.spec
         defines = dict(spec.defines)
-        work_tiles = -(-problem.seqlen_q // defines["FT_BLOCK_M"]) * problem.heads_q * problem.batch
-        loops = defines["FT_PERSISTENT"] and problem.window == (-1, -1)
-        blocks = min(work_tiles, sm_count(problem.q.device.index)) if loops else work_tiles
-        grid = (max(1, blocks), 1, 1)
-        step = Launch(module.kernels[entry], grid, threads_of(defines), spec.smem_bytes)
+        m_blocks = -(-problem.seqlen_q // defines["FT_BLOCK_M"])
+        tiles = m_blocks * problem.heads_q * problem.batch
+        left, right = problem.window
+        paired = left < 0 and right == 0
+        if not defines["FT_PERSISTENT"] or not (paired or (left, right) == (-1, -1)):
+            blocks = tiles
+        else:
+            units = (-(-m_blocks // 2) if paired else m_blocks) * problem.heads_q * problem.batch
+            blocks = min(units, sm_count(problem.q.device.index))
+        step = Launch(module.kernels[entry], (max(1, blocks), 1, 1), threads_of(defines), spec.smem_bytes)
         return fwd_plan(problem, (step,), kv_box=spec.kv_maps, outputs=outputs)
     return plan
 

@@ -119,23 +119,29 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     // The warpgroup index must look uniform to the compiler (wgmma on a path it thinks divergent is serialized).
     const int warpgroup = __shfl_sync(kFullWarpMask, threadIdx.x / kWarpgroupThreads, 0);
 
-    // Persistent blocks: block i takes the work tiles (query block, head, batch) i, i + gridDim.x, ... (the plan
-    // launches one block per SM where the tiles cost the same, one per tile under a mask). The query blocks of
-    // one head are numbered together, so the blocks running at once share that head's K and V in L2, and
-    // heaviest first (under a causal mask the last query block sees the most keys). The producer runs ahead into
-    // a block's next tile while its consumers finish the last one, so a tile's first K/V loads overlap the
+    // Persistent blocks: block i takes the work units i, i + gridDim.x, ... (the plan launches one block per SM
+    // where units cost the same, one block per work tile under other masks). A unit is one work tile (query block,
+    // head, batch), or under a causal mask two of one head, the heaviest and the lightest query block not yet
+    // paired, so that every unit costs about the same (m_blocks + 1 key tiles). The query blocks of one head are
+    // numbered together, so the blocks running at once share that head's K and V in L2. The producer runs ahead
+    // into a block's next tile while its consumers finish the last one, so a tile's first K/V loads overlap the
     // previous tile's epilogue. The ring's stages and phases run on across tiles: `kv_base` counts the K/V tiles
     // a block has gone through before the current work tile.
     const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
-    const int work_tiles = m_blocks * p.heads_q * p.batch;
+    const bool paired = kPersistent && p.window_left < 0 && p.window_right == 0;
+    const int unit_blocks = paired ? ceil_div(m_blocks, 2) : m_blocks;  // query blocks' units per head
+    const int units = unit_blocks * p.heads_q * p.batch;
+    // A causal unit's second tile, unless the first was the middle query block of an odd count.
+    auto tiles_in = [&](int unit) { return paired && 2 * (unit % unit_blocks) + 1 != m_blocks ? 2 : 1; };
     struct Work {
         int m0, m1, h, b;
         Problem pr;
         Mask::Tiles tiles;
     };
-    auto work = [&](int index) {
+    auto work = [&](int unit, int part) {
         Work w;
-        const int m_block = m_blocks - 1 - index % m_blocks, hb = index / m_blocks;
+        const int j = unit % unit_blocks, hb = unit / unit_blocks;
+        const int m_block = part == 0 ? m_blocks - 1 - j : j;
         w.h = hb % p.heads_q;
         w.b = hb / p.heads_q;
         w.pr = locate_problem(p, w.b, w.h);
@@ -167,8 +173,9 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
         setmaxnreg_dec<kProducerRegisters>();
         if (threadIdx.x != kProducerThread) return;
         int kv_base = 0;
-        for (int index = blockIdx.x; index < work_tiles; index += gridDim.x) {
-            const Work w = work(index);
+        for (int unit = blockIdx.x; unit < units; unit += kPersistent ? gridDim.x : units)
+        for (int part = 0; part < tiles_in(unit); ++part) {
+            const Work w = work(unit, part);
             const int map_row0 = (int)w.pr.k_start, map_head = w.h / p.group, map_batch = w.b;
             for (int it = 0; it < w.tiles.count; ++it) {
                 const int ring = kv_base + it, stage = ring % kStages, round = ring / kStages;
@@ -202,8 +209,9 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     const int barrier = kConsumerBarrierBase + consumer;
     const float log2_factor = p.scale_log2;
     int kv_base = 0;
-    for (int index = blockIdx.x; index < work_tiles; index += gridDim.x) {
-        const Work w = work(index);
+    for (int unit = blockIdx.x; unit < units; unit += kPersistent ? gridDim.x : units)
+    for (int part = 0; part < tiles_in(unit); ++part) {
+        const Work w = work(unit, part);
         const Problem& pr = w.pr;
         const int m0 = w.m0, n_begin = w.tiles.begin, n_tiles = w.tiles.count;
         const Mask mask(p.window_left, p.window_right, pr.seqlen_q, pr.seqlen_k);
