@@ -9,7 +9,8 @@ set -uo pipefail
 MODE=${1:-tests}
 OUT=${OUT:-/tmp/flashtile-out}
 mkdir -p "$OUT/docs"
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 FLASHTILE_CACHE_DIR=/tmp/flashtile-cache
+# FLASHTILE_HOST=on: every step runs the C++ host path (flashtile/host.py), built once by the first step.
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 FLASHTILE_CACHE_DIR=/tmp/flashtile-cache FLASHTILE_HOST=on
 summary=()
 step() {  # step NAME LOGFILE COMMAND...
     local name=$1 log=$2; shift 2
@@ -21,6 +22,7 @@ step() {  # step NAME LOGFILE COMMAND...
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -m flashtile info 2>&1 | tail -n 12
+step host host.log python3 -c "from flashtile import host; print('host path built:', host.extension())"
 if [ "$MODE" = tests ] || [ "$MODE" = quick ]; then
     step compile compile.log python3 -m flashtile compile
 fi

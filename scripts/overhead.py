@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
-from flashtile import api, dispatch, launch, ops
+from flashtile import api, dispatch, host, launch, ops
 from flashtile.bench import measure, report
 from flashtile.bench.system import describe
 from flashtile.forward import FwdProblem
@@ -54,11 +54,15 @@ def per_call_table() -> dict:
                           ("forward under no_grad", (ours_no_grad, theirs_no_grad))):
             rows[name] = {label: measure.host_overhead_us(fn, calls=CALLS)
                           for label, fn in zip(("flashtile", "sdpa-flash"), fns)}
+            with host.python_path():  # the same calls planned anew on the Python path
+                rows[name]["flashtile, Python path"] = measure.host_overhead_us(fns[0], calls=CALLS)
     return rows
 
 
 class _AllocatingCall:
-    """A call whose forward allocates what flashtile's does (out, lse) and launches nothing."""
+    """A call whose forward allocates what flashtile's does (out, lse) and launches nothing, on the Python path."""
+
+    host = None
 
     def forward(self, q, k, v):
         return torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
@@ -88,6 +92,7 @@ def pieces() -> dict:
         "api._signature": lambda: api._signature(q, k, v, options),
         "the call cache's lookup": lambda: api._calls.get(key),
         "FwdPlan.run (allocate out and lse, pack, launch)": lambda: plan.run(q, k, v),
+        "the host path's forward (the same, in C++)": lambda: call.host.run(q, k, v) if call.host else None,
         "one launch (cuda.bindings' cuLaunchKernel)": one_launch,
         "the autograd node over a call that only allocates": lambda: ops.attention(q, k, v, allocating),
         "BwdPlan.run (allocate, pack, 3 launches)": lambda: call.backward(dout, q, k, v, out, lse),
@@ -105,11 +110,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", help="docs folder: results/overhead.json is written there")
     args = parser.parse_args()
+    host.extension()  # the path users settle on: wait for a background host-path build
+    host.wait()
     table = per_call_table()
     print(f"wall us per call, {'x'.join(map(str, SHAPE))} bf16 causal (batch x seqlen x heads x head_dim)")
-    print(f"{'call':<32} {'flashtile':>10} {'sdpa-flash':>11}")
+    print(f"host path: {'C++' if host.extension() is not None else 'Python'} ({host.MODE_ENV}={host.mode()})")
+    columns = list(next(iter(table.values())))
+    print(f"{'call':<32} " + " ".join(f"{c:>24}" for c in columns))
     for name, row in table.items():
-        print(f"{name:<32} {row['flashtile']:>10.1f} {row['sdpa-flash']:>11.1f}")
+        print(f"{name:<32} " + " ".join(f"{row[c]:>24.1f}" for c in columns))
     print()
     parts = {name: measure.host_overhead_us(fn, calls=CALLS) for name, fn in pieces().items()}
     for name, us in parts.items():

@@ -1,9 +1,15 @@
 import math
+import os
+import shutil
 
 import pytest
 import torch
 
-from flashtile import plans
+from flashtile import host, plans
+
+# The suite runs the C++ host path wherever it can be built (auto's background build would switch paths mid-run);
+# tests take the `python_path` fixture for the Python path, and tests/test_host_gpu.py compares the two.
+os.environ.setdefault(host.MODE_ENV, "on" if shutil.which("c++") else "off")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,6 +33,9 @@ def poisoned_outputs(monkeypatch):
         return o, lse
 
     monkeypatch.setattr(plans, "empty_outputs", poisoned)
+    host.set_poison(True)  # the C++ host path allocates its own buffers
+    yield
+    host.set_poison(False)
 
 
 @pytest.fixture
@@ -38,6 +47,9 @@ def poisoned_grads(monkeypatch):
         return tuple(g.fill_(math.nan) for g in original(*tensors))
 
     monkeypatch.setattr(plans, "empty_grads", poisoned)
+    host.set_poison(True)
+    yield
+    host.set_poison(False)
 
 
 @pytest.fixture
@@ -74,3 +86,10 @@ def torch_kernel_calls(monkeypatch):
 
         monkeypatch.setattr(cpu_kernel, name, spy)
     return calls
+
+
+@pytest.fixture
+def python_path():
+    """Calls planned during this test take the Python path (ops.Attention, plans.*.run), not the C++ host path."""
+    with host.python_path():
+        yield

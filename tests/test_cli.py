@@ -16,8 +16,9 @@ def test_check_passes_and_covers_the_backward(capsys):
     assert "all checks passed" in out and "backward" in out and "FAIL" not in out
 
 
-def test_check_reports_a_wrong_gradient(monkeypatch, capsys):
-    """A backward that returns wrong gradients makes `check` fail (the check can fail)."""
+def test_check_reports_a_wrong_gradient(monkeypatch, capsys, python_path):
+    """A backward that returns wrong gradients makes `check` fail (the check can fail). The wrong backward is
+    the Python path's node, so the calls take that path."""
     from flashtile import ops
 
     original = ops.Attention.backward

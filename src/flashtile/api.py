@@ -13,7 +13,7 @@ from numbers import Real
 import numpy as np
 import torch
 
-from . import dispatch, ladder, ops, reference
+from . import dispatch, host, ladder, ops, reference
 from .forward import LOG2E, FwdProblem, default_scale
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -175,6 +175,7 @@ def _run(call, q, k, v, grad: bool, return_lse: bool):
 # nothing again: everything the checks looked at is in the signature. Kept calls hold no tensors.
 _calls: dict[tuple, dispatch.PlannedCall | dispatch.GeneralCall] = {}
 MAX_CALLS = 4096  # inference over ever-new shapes (e.g. a growing KV length) must not grow the cache forever
+host.on_change(_calls.clear)  # when the host path changes (its build is ready), calls are planned again
 
 
 _KEY_GRAD = 12  # the signature's field that says whether gradients are wanted

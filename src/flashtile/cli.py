@@ -30,7 +30,7 @@ def _arch(text: str) -> str:
 
 
 def cmd_info(args) -> int:
-    from . import jit, ladder, specs
+    from . import host, jit, ladder, specs
     from .bench.system import describe
     from .family import Variant
 
@@ -38,6 +38,7 @@ def cmd_info(args) -> int:
     for key, value in facts.items():
         print(f"{key:>14}: {value}")
     print(f"{'cache dir':>14}: {jit.cache_dir()}")
+    print(f"{'host path':>14}: {host.describe()}")
     if torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
         variant = Variant("fwd", torch.bfloat16, 64, 64, frozenset(), specs.arch_of(capability))
@@ -138,12 +139,15 @@ def cmd_compile(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from . import host
     from .bench import decode as decode_bench
     from .bench import ladder as ladder_bench
     from .bench import matrix as matrix_bench
     from .bench import report
     from .bench.system import describe
 
+    host.extension()  # timings are taken on the path users settle on: wait for a background host-path build
+    host.wait()
     if args.what == "decode":
         if not torch.cuda.is_available():
             print("No CUDA GPU here: the decode benchmark needs one.")

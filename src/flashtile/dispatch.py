@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backward as bwd
-from . import launch, plans, reference, registry, specs
+from . import host, launch, plans, reference, registry, specs
 from .family import Variant
 from .forward import MAX_GRID_BATCH, FwdProblem
 from .ladder import device_capability
@@ -119,11 +119,14 @@ class PlannedCall:
     """One input signature's plans: the forward's, and the backward's when the call is differentiated. It holds
     no tensors: every call brings its own."""
 
-    __slots__ = ("forward_plan", "backward_plan")
+    __slots__ = ("forward_plan", "backward_plan", "host")
 
-    def __init__(self, forward_plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None):
+    def __init__(self, forward_plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device: int):
         self.forward_plan = forward_plan
         self.backward_plan = backward_plan
+        # The same plans replayed in C++ (host.py), or None where the Python path runs them.
+        self.host = (host.forward_of(forward_plan, backward_plan, device)
+                     if isinstance(forward_plan, plans.FwdPlan) else None)
 
     @staticmethod
     def serves(q, k, v) -> bool:
@@ -132,6 +135,8 @@ class PlannedCall:
         return not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGN_BYTES
 
     def forward(self, q, k, v):
+        if self.host is not None:
+            return self.host.run(q, k, v)
         return self.forward_plan.run(q, k, v)
 
     def backward(self, dout, q, k, v, out, lse, dlse=None):
@@ -148,7 +153,7 @@ def planned_call(problem: FwdProblem, rung, deterministic: bool, want_grad: bool
     family, module = load(problem, "fwd", rung)
     forward_plan = family.plan(problem, module)
     if not want_grad:
-        return PlannedCall(forward_plan, None)
+        return PlannedCall(forward_plan, None, q.device.index)
     if not _backward_kernels_serve(problem):
         return None
     _, bwd_module = load(problem, "bwd")
@@ -156,7 +161,7 @@ def planned_call(problem: FwdProblem, rung, deterministic: bool, want_grad: bool
         return None  # the dQ accumulator needs head groups: the general path splits them
     out, lse = plans.empty_outputs(q, problem.out_shape(), problem.lse_shape())
     backward_plan = bwd.plan(problem, bwd_module, out, lse, out, plans.empty_grads(q, k, v), deterministic)
-    return PlannedCall(forward_plan, backward_plan)
+    return PlannedCall(forward_plan, backward_plan, q.device.index)
 
 
 class GeneralCall:
@@ -164,6 +169,7 @@ class GeneralCall:
     each run brings its own q, k, v."""
 
     __slots__ = ("problem", "deterministic", "rung")
+    host = None  # the general path runs in Python
 
     def __init__(self, problem: FwdProblem, deterministic: bool, rung="auto"):
         self.problem = problem

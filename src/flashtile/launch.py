@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import struct
 import threading
 from collections import namedtuple
@@ -61,6 +62,7 @@ def _fmt(fields) -> str:
 # (and, in BwdParams, aligns the fields after the nested AttnParams).
 PARAMS_STRUCT = struct.Struct("@" + _fmt(PARAM_FIELDS) + "0Q")
 BWD_PARAMS_STRUCT = struct.Struct("@" + _fmt(PARAM_FIELDS) + "0Q" + _fmt(BWD_EXTRA_FIELDS) + "0Q")
+BWD_ADDRESS_OFFSET = PARAMS_STRUCT.size  # BwdParams' own fields (dO's address first) follow the nested AttnParams
 _ParamValues = namedtuple("_ParamValues", [name for name, _ in PARAM_FIELDS], defaults=[0] * len(PARAM_FIELDS))
 _BwdValues = namedtuple("_BwdValues", [name for name, _ in BWD_PARAM_FIELDS], defaults=[0] * len(BWD_PARAM_FIELDS))
 
@@ -190,10 +192,7 @@ def run(launches: tuple[Launch, ...], params: tuple, layout: struct.Struct = PAR
         for step in launches:
             kernel, smem = step.kernel, step.smem
             if smem > kernel.max_dynamic_smem:
-                _check(driver.cuFuncSetAttribute(
-                    kernel.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem), "setting the dynamic shared-memory limit")
-                kernel.max_dynamic_smem = smem
+                allow_smem(kernel, smem)
             if (len(extra) if extra is not None else 0) != kernel.extra_bytes:
                 raise ValueError(f"this kernel takes a second argument of {kernel.extra_bytes} bytes; "
                                  f"got {None if extra is None else len(extra)}")
@@ -204,6 +203,24 @@ def run(launches: tuple[Launch, ...], params: tuple, layout: struct.Struct = PAR
                 jit.cuda_module("cuda.core").Device(device).set_current()
                 result = driver.cuLaunchKernel(kernel.function, *step.grid, step.threads, 1, 1, smem, stream, argv, 0)
             _check(result, "cuLaunchKernel")
+
+
+def allow_smem(kernel: LoadedKernel, smem: int) -> None:
+    """Clear `kernel` to use `smem` bytes of dynamic shared memory (past 48 KB the driver must be told)."""
+    if smem > kernel.max_dynamic_smem:
+        driver = jit.cuda_module("cuda.bindings.driver")
+        _check(driver.cuFuncSetAttribute(
+            kernel.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+            "setting the dynamic shared-memory limit")
+        kernel.max_dynamic_smem = smem
+
+
+@functools.cache
+def primary_context(device: int) -> int:
+    """The handle of `device`'s primary context (torch's, where flashtile loads its kernels)."""
+    driver = jit.cuda_module("cuda.bindings.driver")
+    handle = _check(driver.cuDeviceGet(device), "cuDeviceGet")
+    return int(_check(driver.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain"))
 
 
 def _current_stream(device: int) -> int:

@@ -1,0 +1,340 @@
+// The eager path's per-call work in C++: a planned call's outputs allocated, its params struct written, its
+// launches queued, and in training the autograd node whose backward does the same for the backward plan.
+//
+// Python decides everything (flashtile/plans.py builds the plans; flashtile/host.py hands them over): a plan
+// arrives here as its kernels' handles and geometry plus the params struct packed with its address fields zero.
+// A call then only writes the operands' addresses into a copy of that struct and launches. torch builds this
+// file at run time where a host compiler exists; elsewhere the Python path runs the same plans.
+
+#include <dlfcn.h>
+
+#include <array>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+namespace {
+
+// ---- The driver: three entry points of the libcuda torch has loaded -------------------------------------
+
+using CUresult = int;
+constexpr CUresult kSuccess = 0;
+constexpr CUresult kInvalidContext = 201;  // CUDA_ERROR_INVALID_CONTEXT: this thread has no current context
+
+struct Driver {
+  CUresult (*launch_kernel)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                            unsigned smem, void* stream, void** params, void** extra);
+  CUresult (*ctx_set_current)(void* context);
+  CUresult (*get_error_name)(CUresult error, const char** name);
+};
+
+void* driver_symbol(void* library, const char* name) {
+  void* symbol = dlsym(library, name);
+  TORCH_CHECK(symbol != nullptr, "flashtile: libcuda.so.1 has no ", name);
+  return symbol;
+}
+
+const Driver& driver() {
+  static const Driver entry_points = [] {
+    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(library != nullptr, "flashtile: cannot open libcuda.so.1: ", dlerror());
+    Driver d;
+    d.launch_kernel = reinterpret_cast<decltype(d.launch_kernel)>(driver_symbol(library, "cuLaunchKernel"));
+    d.ctx_set_current = reinterpret_cast<decltype(d.ctx_set_current)>(driver_symbol(library, "cuCtxSetCurrent"));
+    d.get_error_name = reinterpret_cast<decltype(d.get_error_name)>(driver_symbol(library, "cuGetErrorName"));
+    return d;
+  }();
+  return entry_points;
+}
+
+void check(CUresult result, const char* what) {
+  if (result == kSuccess) return;
+  const char* name = nullptr;
+  driver().get_error_name(result, &name);
+  TORCH_CHECK(false, what, " failed: ", name ? name : "unknown error", " (", result, ")");
+}
+
+// ---- A plan's launches ----------------------------------------------------------------------------------
+
+constexpr size_t kParamsCapacity = 1024;  // bytes; the largest struct (BwdParams) is well under it
+constexpr size_t kMapsBytes = 256;        // the forward's second argument: K's and V's 128-byte tensor maps
+constexpr size_t kMapsAlign = 64;         // a tensor map's alignment
+
+struct Step {
+  void* function;
+  std::array<unsigned, 3> grid;
+  unsigned threads;
+  unsigned smem;
+};
+
+struct Launches {
+  std::vector<Step> steps;
+  std::string params;  // the packed struct, its address fields zero
+  void* context;       // the device's primary context: made current where a thread has none
+
+  Launches(const py::list& launch_steps, py::bytes packed, uintptr_t primary_context)
+      : params(packed), context(reinterpret_cast<void*>(primary_context)) {
+    TORCH_CHECK(params.size() <= kParamsCapacity, "flashtile: params struct of ", params.size(), " bytes");
+    for (const auto& item : launch_steps) {
+      auto t = item.cast<std::tuple<uintptr_t, unsigned, unsigned, unsigned, unsigned, unsigned>>();
+      steps.push_back(Step{reinterpret_cast<void*>(std::get<0>(t)), {std::get<1>(t), std::get<2>(t), std::get<3>(t)},
+                           std::get<4>(t), std::get<5>(t)});
+    }
+  }
+
+  // Queue steps [first, last) on `stream`, all reading the struct at `struct_bytes` (and the maps, if any).
+  void run(size_t first, size_t last, void* struct_bytes, void* maps, void* stream) const {
+    void* argv[2] = {struct_bytes, maps};
+    for (size_t i = first; i < last; ++i) {
+      const Step& s = steps[i];
+      auto launch = [&] {
+        return driver().launch_kernel(s.function, s.grid[0], s.grid[1], s.grid[2], s.threads, 1, 1, s.smem, stream,
+                                      argv, nullptr);
+      };
+      CUresult result = launch();
+      if (result == kInvalidContext) {  // a thread where the CUDA runtime never ran (autograd's device thread)
+        check(driver().ctx_set_current(context), "cuCtxSetCurrent");
+        result = launch();
+      }
+      check(result, "cuLaunchKernel");
+    }
+  }
+};
+
+constexpr size_t kAddressBytes = 8;
+
+struct alignas(16) ParamsBuffer {
+  char bytes[kParamsCapacity];
+};
+
+void put_address(ParamsBuffer& buffer, size_t offset, const at::Tensor& t) {
+  uint64_t address = t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0;
+  std::memcpy(buffer.bytes + offset, &address, sizeof(address));
+}
+
+// Tests fill every buffer a kernel writes with NaN first, so that an element a kernel forgets fails them.
+bool poison_outputs = false;
+
+void poison(std::initializer_list<at::Tensor*> buffers) {
+  if (!poison_outputs) return;
+  for (at::Tensor* t : buffers) {
+    if (t->defined()) t->fill_(std::numeric_limits<float>::quiet_NaN());
+  }
+}
+
+// AttnParams begins with the addresses of q, k, v, o and the LSE.
+void put_operands(ParamsBuffer& buffer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& o, const at::Tensor& lse) {
+  size_t slot = 0;
+  for (const at::Tensor* t : {&q, &k, &v, &o, &lse}) put_address(buffer, (slot++) * kAddressBytes, *t);
+}
+
+void* current_stream(const at::Device& device) {
+  return c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle();
+}
+
+// ---- The backward plan (plans.BwdPlan.run) ------------------------------------------------------------------
+
+constexpr uintptr_t kAlignBytes = 16;        // plans.ALIGN_BYTES: the kernels' vector loads
+constexpr int64_t kScratchAlignFloats = 64;  // plans.SCRATCH_ALIGN_FLOATS
+
+struct Backward {
+  Launches launches;
+  size_t bwd_addresses;  // byte offset of BwdParams' own address fields (dO first)
+  std::vector<int64_t> dout_stride;
+  int64_t lse_floats, accum_floats, semaphore_ints;
+
+  Backward(const py::list& steps, py::bytes packed, uintptr_t context, size_t bwd_addresses,
+           std::vector<int64_t> dout_stride, int64_t lse_floats, int64_t accum_floats, int64_t semaphore_ints)
+      : launches(steps, packed, context), bwd_addresses(bwd_addresses), dout_stride(std::move(dout_stride)),
+        lse_floats(lse_floats), accum_floats(accum_floats), semaphore_ints(semaphore_ints) {}
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> run(at::Tensor dout, const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v, const at::Tensor& o,
+                                                      const at::Tensor& lse, const at::Tensor& dlse) const {
+    c10::DeviceGuard guard(q.device());
+    if (dout.strides() != c10::IntArrayRef(dout_stride) || reinterpret_cast<uintptr_t>(dout.data_ptr()) % kAlignBytes) {
+      dout = at::empty_like(o).copy_(dout);
+    }
+    at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    poison({&dq, &dk, &dv});
+    const int64_t accum_at = (2 * lse_floats + kScratchAlignFloats - 1) / kScratchAlignFloats * kScratchAlignFloats;
+    at::Tensor scratch = at::empty({accum_at + accum_floats}, q.options().dtype(at::kFloat));
+    at::Tensor semaphore =
+        semaphore_ints ? at::zeros({semaphore_ints}, q.options().dtype(at::kInt)) : at::Tensor();
+    const auto base = reinterpret_cast<uint64_t>(scratch.data_ptr());
+    ParamsBuffer buffer;
+    std::memcpy(buffer.bytes, launches.params.data(), launches.params.size());
+    put_operands(buffer, q, k, v, o, lse);
+    const std::array<uint64_t, 8> own = {
+        reinterpret_cast<uint64_t>(dout.data_ptr()), reinterpret_cast<uint64_t>(dq.data_ptr()),
+        reinterpret_cast<uint64_t>(dk.data_ptr()),   reinterpret_cast<uint64_t>(dv.data_ptr()),
+        base + accum_at * sizeof(float),             base,
+        base + lse_floats * sizeof(float),
+        semaphore.defined() ? reinterpret_cast<uint64_t>(semaphore.data_ptr()) : 0};
+    std::memcpy(buffer.bytes + bwd_addresses, own.data(), sizeof(own));
+    void* stream = current_stream(q.device());
+    const size_t steps = launches.steps.size();
+    if (!dlse.defined()) {
+      launches.run(0, steps, buffer.bytes, nullptr, stream);
+    } else {  // the preprocess writes D; the LSE's gradient enters as D - dLSE
+      launches.run(0, 1, buffer.bytes, nullptr, stream);
+      scratch.narrow(0, 0, lse_floats).view(lse.sizes()).sub_(dlse);
+      launches.run(1, steps, buffer.bytes, nullptr, stream);
+    }
+    return {dq, dk, dv};
+  }
+};
+
+// ---- The autograd node (ops.Attention's backward) -----------------------------------------------------------
+
+// torch's autograd holds nodes by shared_ptr in some releases and by intrusive_ptr in others.
+using NodePtr = decltype(torch::autograd::Edge().function);
+
+constexpr const char* kTwiceMessage =
+    "trying to differentiate twice a function that was marked with @once_differentiable (flashtile's attention "
+    "backward is not itself differentiable)";
+
+struct AttentionBackward : torch::autograd::Node {
+  std::shared_ptr<const Backward> plan;
+  SavedVariable q, k, v, out, lse;  // out and lse saved detached: this node's own outputs would form a cycle
+
+  std::string name() const override { return "flashtile::AttentionBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    at::Tensor dout = grads[0], dlse = grads[1];
+    if (!dout.defined() && !dlse.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor q_ = q.unpack(), k_ = k.unpack(), v_ = v.unpack(), out_ = out.unpack(), lse_ = lse.unpack();
+    if (!dout.defined()) dout = at::zeros_like(out_);  // only the log-sum-exp reached the loss
+    bool recorded = at::GradMode::is_enabled() &&
+                    (dout.requires_grad() || (dlse.defined() && dlse.requires_grad()));
+    auto [dq, dk, dv] = [&] {
+      at::AutoGradMode off(false);
+      return plan->run(dout, q_, k_, v_, out_, lse_, dlse);
+    }();
+    variable_list result = {dq, dk, dv};
+    if (!recorded) return result;
+    // backward(create_graph=True): the gradients join the graph through a node that refuses a second backward.
+    for (auto& g : result) g = g.detach().requires_grad_(true);
+    torch::autograd::DelayedError refusal(kTwiceMessage, static_cast<int64_t>(result.size()));
+    return refusal.apply(std::move(result));
+  }
+
+  void release_variables() override {
+    for (SavedVariable* s : {&q, &k, &v, &out, &lse}) s->reset_data();
+  }
+};
+
+template <class T>
+NodePtr new_node() {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::shared_ptr<T>(new T());
+  } else {
+    return c10::make_intrusive<T>();
+  }
+}
+
+// ---- The forward plan (plans.FwdPlan.run) -------------------------------------------------------------------
+
+constexpr size_t kMaxKeptMaps = 64;  // plans.MAX_KEPT_MAPS
+
+struct PairHash {
+  size_t operator()(const std::pair<uint64_t, uint64_t>& p) const { return p.first * 1000003u ^ p.second; }
+};
+
+struct Forward {
+  Launches launches;
+  std::vector<int64_t> out_shape;  // empty: the output is at::empty_like(q)
+  std::vector<int64_t> lse_shape;  // empty: no LSE
+  py::object make_maps;            // (k, v) -> K's and V's tensor maps as bytes; None: one argument
+  std::unordered_map<std::pair<uint64_t, uint64_t>, std::array<char, kMapsBytes + kMapsAlign>, PairHash> maps;
+  std::shared_ptr<const Backward> backward;
+
+  Forward(const py::list& steps, py::bytes packed, uintptr_t context, std::vector<int64_t> out_shape,
+          std::vector<int64_t> lse_shape, py::object make_maps, std::shared_ptr<Backward> backward)
+      : launches(steps, packed, context), out_shape(std::move(out_shape)), lse_shape(std::move(lse_shape)),
+        make_maps(std::move(make_maps)), backward(std::move(backward)) {}
+
+  void* maps_for(const at::Tensor& k, const at::Tensor& v) {
+    if (make_maps.is_none()) return nullptr;
+    const auto key = std::make_pair(reinterpret_cast<uint64_t>(k.data_ptr()), reinterpret_cast<uint64_t>(v.data_ptr()));
+    auto found = maps.find(key);
+    if (found == maps.end()) {
+      std::string bytes = make_maps(k, v).cast<std::string>();
+      TORCH_CHECK(bytes.size() == kMapsBytes, "flashtile: tensor maps of ", bytes.size(), " bytes");
+      if (maps.size() >= kMaxKeptMaps) maps.clear();
+      found = maps.emplace(key, std::array<char, kMapsBytes + kMapsAlign>{}).first;
+      std::memcpy(aligned(found->second), bytes.data(), kMapsBytes);
+    }
+    return aligned(found->second);
+  }
+
+  static void* aligned(std::array<char, kMapsBytes + kMapsAlign>& storage) {
+    auto address = reinterpret_cast<uintptr_t>(storage.data());
+    return reinterpret_cast<void*>((address + kMapsAlign - 1) / kMapsAlign * kMapsAlign);
+  }
+
+  std::pair<at::Tensor, at::Tensor> run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    c10::DeviceGuard guard(q.device());
+    at::Tensor o = out_shape.empty() ? at::empty_like(q) : at::empty(out_shape, q.options());
+    at::Tensor lse = lse_shape.empty() ? at::Tensor() : at::empty(lse_shape, q.options().dtype(at::kFloat));
+    poison({&o, &lse});
+    ParamsBuffer buffer;
+    std::memcpy(buffer.bytes, launches.params.data(), launches.params.size());
+    put_operands(buffer, q, k, v, o, lse);
+    launches.run(0, launches.steps.size(), buffer.bytes, maps_for(k, v), current_stream(q.device()));
+    return {o, lse};
+  }
+
+  // The forward as training calls it: (out, lse) with the node whose backward runs the backward plan.
+  std::pair<at::Tensor, at::Tensor> train(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    TORCH_CHECK(backward != nullptr && !lse_shape.empty(), "flashtile: this call was planned without gradients");
+    auto [o, lse] = [&] {
+      at::AutoGradMode off(false);
+      return run(q, k, v);
+    }();
+    NodePtr node = new_node<AttentionBackward>();
+    auto* attention = static_cast<AttentionBackward*>(node.get());
+    attention->plan = backward;
+    attention->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+    attention->q = SavedVariable(q, false);
+    attention->k = SavedVariable(k, false);
+    attention->v = SavedVariable(v, false);
+    attention->out = SavedVariable(o.detach(), false);
+    attention->lse = SavedVariable(lse.detach(), false);
+    torch::autograd::set_history(o, node);
+    torch::autograd::set_history(lse, node);
+    return {o, lse};
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_poison", [](bool on) { poison_outputs = on; });
+  py::class_<Backward, std::shared_ptr<Backward>>(m, "Backward")
+      .def(py::init<const py::list&, py::bytes, uintptr_t, size_t, std::vector<int64_t>, int64_t, int64_t,
+                    int64_t>())
+      .def("run", &Backward::run);
+  py::class_<Forward, std::shared_ptr<Forward>>(m, "Forward")
+      .def(py::init<const py::list&, py::bytes, uintptr_t, std::vector<int64_t>, std::vector<int64_t>, py::object,
+                    std::shared_ptr<Backward>>())
+      .def("run", &Forward::run)
+      .def("train", &Forward::train);
+}

@@ -1,0 +1,193 @@
+"""The host path: a planned call's per-call work (allocate, write the params, launch, record the autograd node) in
+C++, where a host compiler exists.
+
+Python plans every call (plans.py); ``csrc/host.cpp`` only replays a plan: it takes the kernels' handles and
+geometry and the params struct packed with its address fields zero, and per call writes the operands' addresses
+and launches. In training its autograd node runs the backward plan the same way, so an eager training step pays
+neither ``autograd.Function``'s Python layer nor Python's per-launch cost.
+
+torch.utils.cpp_extension builds it once per torch version and source (about half a minute; then it loads from
+the cache folder). ``FLASHTILE_HOST`` chooses:
+
+- ``auto`` (default): the first CUDA call starts the build in a background thread where a C++ compiler is found;
+  calls take the Python path until it is ready, then the call cache is emptied so that new plans take it.
+- ``on``: build on the first CUDA call and wait for it; a failed build is an error (tests and benchmarks).
+- ``off``: the Python path only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from . import jit, launch, plans, tma
+
+MODE_ENV = "FLASHTILE_HOST"
+MODES = ("auto", "on", "off")
+SOURCE = Path(__file__).parent / "csrc" / "host.cpp"
+COMPILE_FLAGS = ["-O2"]
+
+
+class HostPathWarning(RuntimeWarning):
+    """The C++ host path could not be built; the Python path serves every call."""
+
+
+_module: ModuleType | None = None
+_failed = False
+_building: threading.Thread | None = None
+_lock = threading.Lock()
+_on_change: list[Callable[[], None]] = []
+_poison = False
+_suspended = False
+
+
+def mode() -> str:
+    value = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {value!r}")
+    return value
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Call `listener` whenever the path new plans take changes: a background build finished, or
+    :func:`python_path` began or ended (api.py empties its call cache)."""
+    _on_change.append(listener)
+
+
+def _changed() -> None:
+    for listener in _on_change:
+        listener()
+
+
+@contextlib.contextmanager
+def python_path():
+    """Within this block, calls planned anew take the Python path (tests and scripts/overhead.py compare both)."""
+    global _suspended
+    before, _suspended = _suspended, True
+    _changed()
+    try:
+        yield
+    finally:
+        _suspended = before
+        _changed()
+
+
+def set_poison(on: bool) -> None:
+    """Tests (conftest.py): every output and gradient buffer the C++ path allocates starts as NaN."""
+    global _poison
+    _poison = on
+    if _module is not None:
+        _module.set_poison(on)
+
+
+def _loaded(module: ModuleType) -> ModuleType:
+    global _module
+    module.set_poison(_poison)
+    _module = module
+    return module
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    return jit.cache_dir() / "host" / digest
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(f"flashtile_host_{folder.name}", [str(SOURCE)], extra_cflags=COMPILE_FLAGS,
+                              build_directory=str(folder), verbose=False)
+
+
+def _build_in_background() -> None:
+    global _failed
+    try:
+        module = _build()
+    except Exception as exc:  # any build failure leaves the Python path serving
+        _failed = True
+        warnings.warn(f"flashtile: the C++ host path did not build ({type(exc).__name__}: {exc}); the Python "
+                      f"path serves every call (set {MODE_ENV}=off to skip the attempt)", HostPathWarning,
+                      stacklevel=1)
+        return
+    _loaded(module)
+    _changed()
+
+
+def extension() -> ModuleType | None:
+    """The built extension, or None while the Python path serves (off, building, no compiler, failed)."""
+    global _building
+    if _suspended:
+        return None
+    if _module is not None or _failed:
+        return _module
+    chosen = mode()
+    if chosen == "off":
+        return None
+    with _lock:
+        if _module is not None:
+            return _module
+        if chosen == "on":
+            return _loaded(_build())
+        if _building is None and shutil.which(os.environ.get("CXX", "c++")):
+            _building = threading.Thread(target=_build_in_background, name="flashtile-host-build", daemon=True)
+            _building.start()
+    return None
+
+
+def describe() -> str:
+    """One line for `flashtile info`: which path eager calls take, without starting a build."""
+    if _module is not None:
+        return f"C++ ({_module.__file__})"
+    chosen = mode()
+    if chosen == "off":
+        return f"Python ({MODE_ENV}=off)"
+    if _failed:
+        return "Python (the C++ build failed)"
+    if chosen == "auto" and not shutil.which(os.environ.get("CXX", "c++")):
+        return "Python (no C++ compiler found)"
+    return f"C++ once built (first CUDA call; {MODE_ENV}={chosen}), Python until then"
+
+
+def wait() -> ModuleType | None:
+    """Wait for a background build started by :func:`extension`; the module, or None."""
+    if _building is not None:
+        _building.join()
+    return _module
+
+
+def _steps(launches: tuple[launch.Launch, ...]) -> list[tuple[int, ...]]:
+    for step in launches:
+        launch.allow_smem(step.kernel, step.smem)
+    return [(int(step.kernel.function), *step.grid, step.threads, step.smem) for step in launches]
+
+
+def _backward_of(module: ModuleType, plan: plans.BwdPlan, device: int):
+    packed = launch.BWD_PARAMS_STRUCT.pack(*(0,) * plans.ADDRESS_FIELDS, *plan.tail,
+                                           *(0,) * plans.BWD_ADDRESS_FIELDS, *plan.bwd_tail)
+    return module.Backward(_steps(plan.launches), packed, launch.primary_context(device), launch.BWD_ADDRESS_OFFSET,
+                           list(plan.dout_stride), plan.lse_floats, plan.accum_floats, plan.semaphore_ints)
+
+
+def forward_of(plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device: int):
+    """The C++ replay of a forward plan (holding its backward plan's, for training), or None where the Python
+    path keeps the call: no extension, or a plan with scratch memory (rung 0)."""
+    module = extension()
+    if module is None or plan.scratch_floats:
+        return None
+    packed = launch.PARAMS_STRUCT.pack(*(0,) * plans.ADDRESS_FIELDS, *plan.tail)
+    box = plan.kv_box
+    make_maps = None if box is None else (lambda k, v: tma.kernel_argument(k, v, box))
+    backward = None if backward_plan is None else _backward_of(module, backward_plan, device)
+    return module.Forward(_steps(plan.launches), packed, launch.primary_context(device), list(plan.out_shape or ()),
+                          list(plan.lse_shape or ()), make_maps, backward)

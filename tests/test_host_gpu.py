@@ -1,0 +1,134 @@
+"""The C++ host path (csrc/host.cpp) against the Python path on the same plans: the same kernels read the same
+params, so outputs, LSEs and (deterministic) gradients must agree bit for bit; and its autograd node keeps
+autograd's rules (saved tensors, create_graph, streams)."""
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import api, host
+from flashtile.testing import compare, compare_grads
+
+pytestmark = pytest.mark.gpu  # skipped where no CUDA device exists (conftest.py)
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v, causal): rung 5 with its tensor maps (d64,
+# d128, d256), rung 4 where the head dims differ or are not padded alike, GQA, seqlen_q != seqlen_k.
+CASES = [
+    (2, 300, 300, 8, 2, 64, 64, True),
+    (1, 1000, 1000, 4, 4, 128, 128, False),
+    (2, 129, 513, 4, 1, 128, 128, True),
+    (1, 257, 257, 2, 2, 256, 256, True),
+    (2, 100, 140, 4, 2, 128, 64, False),
+    (1, 77, 77, 3, 3, 96, 96, True),
+]
+
+
+def _leaves(case, dtype=torch.bfloat16, seed=0):
+    batch, sq, sk, hq, hkv, d, dv, _ = case
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((batch, sq, hq, d), (batch, sk, hkv, d), (batch, sk, hkv, dv))
+    return [torch.randn(s, device="cuda", dtype=dtype, generator=g).requires_grad_() for s in shapes]
+
+
+def _train_step(case, leaves, dout, dlse=None):
+    q, k, v = leaves
+    out, lse = flashtile.attention(q, k, v, causal=case[-1], return_lse=True, deterministic=True)
+    loss_terms = [out, lse] if dlse is not None else [out]
+    grads = torch.autograd.grad(loss_terms, (q, k, v), [dout, dlse] if dlse is not None else [dout])
+    return out.detach(), lse.detach(), grads
+
+
+def _host_call(q, k, v, causal):
+    key = api._signature(q, k, v, (causal, None, (-1, -1), 0.0, True, True, "auto"))
+    return api._calls[key]
+
+
+@pytest.fixture(autouse=True)
+def built():
+    """This module needs the extension: on the H200 a compiler exists (conftest.py sets FLASHTILE_HOST=on)."""
+    module = host.extension()
+    assert module is not None, f"the host path did not build ({host.MODE_ENV}={host.mode()})"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_host_path_matches_python_path_bitwise(case, with_dlse, poisoned_outputs, poisoned_grads):
+    leaves = _leaves(case)
+    q, k, v = leaves
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], device="cuda", dtype=q.dtype)
+    dlse = torch.randn(q.shape[0], q.shape[2], q.shape[1], device="cuda") if with_dlse else None
+    ours = _train_step(case, leaves, dout, dlse)
+    assert _host_call(q, k, v, case[-1]).host is not None, "the call did not take the host path"
+    with host.python_path():
+        theirs = _train_step(case, leaves, dout, dlse)
+        assert _host_call(q, k, v, case[-1]).host is None
+    for a, b in zip((ours[0], ours[1], *ours[2]), (theirs[0], theirs[1], *theirs[2])):
+        assert torch.equal(a, b)
+    # and both are right: the fp64 reference
+    result = compare(q.detach(), k.detach(), v.detach(), ours[0], ours[1], causal=case[-1])
+    assert result.ok, result
+    grads = compare_grads(q.detach(), k.detach(), v.detach(), dout, ours[2], dlse=dlse, causal=case[-1])
+    assert grads.ok, grads
+
+
+def test_no_grad_calls_take_the_host_path_and_write_every_element(poisoned_outputs):
+    q, k, v = (t.detach() for t in _leaves(CASES[1]))
+    with torch.no_grad():
+        out = flashtile.attention(q, k, v)
+        out_again = flashtile.attention(q, k, v)
+    key = api._signature(q, k, v, (False, None, (-1, -1), 0.0, False, False, "auto"))
+    assert api._calls[key].host is not None
+    assert torch.equal(out, out_again) and not out.isnan().any()
+    assert compare(q, k, v, out).ok
+
+
+def test_a_second_backward_through_a_freed_graph_is_refused():
+    q, k, v = _leaves(CASES[0])
+    out = flashtile.attention(q, k, v, causal=True)
+    assert out.grad_fn.name() == "flashtile::AttentionBackward"
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        out.sum().backward()
+
+
+def test_an_output_changed_in_place_is_refused_at_backward():
+    q, k, v = _leaves(CASES[0])
+    out = flashtile.attention(q, k, v, causal=True)
+    loss = out.float().sum()
+    with torch.no_grad():
+        out.mul_(2)
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        loss.backward()
+
+
+def test_create_graph_gives_the_same_gradients_and_refuses_a_second_order():
+    q, k, v = _leaves(CASES[0])
+    dout = torch.randn_like(q).requires_grad_()
+    plain = torch.autograd.grad(flashtile.attention(q, k, v, causal=True), (q, k, v), dout)
+    recorded = torch.autograd.grad(flashtile.attention(q, k, v, causal=True), (q, k, v), dout, create_graph=True)
+    for a, b in zip(plain, recorded):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert recorded[0].requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        recorded[0].float().sum().backward()
+
+
+def test_side_stream_forward_and_backward_match_the_default_stream():
+    q, k, v = _leaves(CASES[1])
+    dout = torch.randn_like(q)
+    expected = _train_step(CASES[1], (q, k, v), dout)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = _train_step(CASES[1], (q, k, v), dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    for a, b in zip((expected[0], *expected[2]), (got[0], *got[2])):
+        assert torch.equal(a, b)
+
+
+def test_gradients_reach_only_the_inputs_that_require_them():
+    q, k, v = _leaves(CASES[0])
+    k.requires_grad_(False)
+    out = flashtile.attention(q, k, v, causal=True)
+    out.float().sum().backward()
+    assert q.grad is not None and v.grad is not None and k.grad is None
