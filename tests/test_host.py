@@ -1,6 +1,9 @@
 """The host path's switch and build (host.py) on any machine; its kernels run in tests/test_host_gpu.py."""
 
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -89,15 +92,22 @@ def test_the_backward_address_block_follows_the_nested_params():
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
-def test_the_extension_builds_here(monkeypatch, tmp_path, fresh_host):
-    """The source compiles against this torch (CI's CPU build included) and takes a plan's pieces."""
-    monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv(host.MODE_ENV, "on")
-    module = host.extension()
-    assert module is not None and (tmp_path / "host").is_dir()
-    backward = module.Backward([(0, 1, 1, 1, 128, 0)], bytes(launch.BWD_PARAMS_STRUCT.size), 0,
-                               launch.BWD_ADDRESS_OFFSET, [1, 2, 3, 4], 8, 64, 0)
-    module.Forward([(0, 1, 1, 1, 128, 0)], bytes(launch.PARAMS_STRUCT.size), 0, [], [1, 2, 3], None, backward)
-    with pytest.raises(RuntimeError, match="params struct"):
-        module.Forward([], bytes(4096), 0, [], [], None, None)
-    assert host.build_dir().name in module.__file__  # built for this torch and this source
+def test_the_extension_builds_here(tmp_path):
+    """The source compiles against this torch (CI's CPU build included) and takes a plan's pieces. In a fresh
+    process: one process cannot load two builds of one extension name."""
+    script = f"""
+import pytest
+from flashtile import host, launch
+module = host.extension()
+assert host.build_dir().name in module.__file__
+backward = module.Backward([(0, 1, 1, 1, 128, 0)], bytes(launch.BWD_PARAMS_STRUCT.size), 0,
+                           launch.BWD_ADDRESS_OFFSET, [1, 2, 3, 4], 8, 64, 0)
+module.Forward([(0, 1, 1, 1, 128, 0)], bytes(launch.PARAMS_STRUCT.size), 0, [], [1, 2, 3], None, backward)
+with pytest.raises(RuntimeError, match="params struct"):
+    module.Forward([], bytes(4096), 0, [], [], None, None)
+print("built", module.__file__)
+"""
+    env = {**os.environ, "FLASHTILE_CACHE_DIR": str(tmp_path), host.MODE_ENV: "on"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"built {tmp_path}" in done.stdout
