@@ -72,7 +72,8 @@ def _persistent_plan(entry: str, threads_of):
     """The plan of a rung whose blocks loop over work units (kernels/wgmma/fwd.cu): one block per SM, at most one
     per unit, where the units cost the same: without a mask (a unit is a work tile) and under a causal mask (a
     unit pairs a head's heaviest and lightest query blocks). Under other masks the tiles' costs differ, and one
-    block per tile, heaviest first, lets the hardware hand the next tile to whichever SM frees first."""
+    block per tile, heaviest first, lets the hardware hand the next tile to whichever SM frees first. A build
+    without persistent blocks (FT_PERSISTENT 0) takes one tile per block of a (query blocks, heads, batch) grid."""
     def plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None = None) -> plans.FwdPlan:
         spec = module.spec
         defines = dict(spec.defines)
@@ -80,12 +81,14 @@ def _persistent_plan(entry: str, threads_of):
         tiles = m_blocks * problem.heads_q * problem.batch
         left, right = problem.window
         paired = left < 0 and right == 0
-        if not defines["FT_PERSISTENT"] or not (paired or (left, right) == (-1, -1)):
-            blocks = tiles
+        if not defines["FT_PERSISTENT"]:  # one block per tile on the (query blocks, heads, batch) grid
+            grid = (m_blocks, problem.heads_q, problem.batch)
+        elif not (paired or (left, right) == (-1, -1)):
+            grid = (tiles, 1, 1)
         else:
             units = (-(-m_blocks // 2) if paired else m_blocks) * problem.heads_q * problem.batch
-            blocks = min(units, sm_count(problem.q.device.index))
-        step = Launch(module.kernels[entry], (max(1, blocks), 1, 1), threads_of(defines), spec.smem_bytes)
+            grid = (max(1, min(units, sm_count(problem.q.device.index))), 1, 1)
+        step = Launch(module.kernels[entry], grid, threads_of(defines), spec.smem_bytes)
         return fwd_plan(problem, (step,), kv_box=spec.kv_maps, outputs=outputs)
     return plan
 

@@ -119,38 +119,44 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     // The warpgroup index must look uniform to the compiler (wgmma on a path it thinks divergent is serialized).
     const int warpgroup = __shfl_sync(kFullWarpMask, threadIdx.x / kWarpgroupThreads, 0);
 
-    // Persistent blocks: block i takes the work units i, i + gridDim.x, ... (the plan launches one block per SM
-    // where units cost the same, one block per work tile under other masks). A unit is one work tile (query block,
-    // head, batch), or under a causal mask two of one head, the heaviest and the lightest query block not yet
-    // paired, so that every unit costs about the same (m_blocks + 1 key tiles). The query blocks of one head are
-    // numbered together, so the blocks running at once share that head's K and V in L2. The producer runs ahead
-    // into a block's next tile while its consumers finish the last one, so a tile's first K/V loads overlap the
-    // previous tile's epilogue. The ring's stages and phases run on across tiles: `kv_base` counts the K/V tiles
-    // a block has gone through before the current work tile.
-    const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
-    const bool paired = kPersistent && p.window_left < 0 && p.window_right == 0;
-    const int unit_blocks = paired ? ceil_div(m_blocks, 2) : m_blocks;  // query blocks' units per head
-    const int units = unit_blocks * p.heads_q * p.batch;
-    // A causal unit's second tile, unless the first was the middle query block of an odd count.
-    auto tiles_in = [&](int unit) { return paired && 2 * (unit % unit_blocks) + 1 != m_blocks ? 2 : 1; };
+    // Persistent blocks (FT_PERSISTENT): block i takes the work units i, i + gridDim.x, ... (the plan launches
+    // one block per SM where units cost the same, one block per work tile under other masks). A unit is one work
+    // tile (query block, head, batch), or under a causal mask two of one head, the heaviest and the lightest query
+    // block not yet paired, so that every unit costs about the same (m_blocks + 1 key tiles). The query blocks of
+    // one head are numbered together, so the blocks running at once share that head's K and V in L2. The producer
+    // runs ahead into a block's next tile while its consumers finish the last one, so a tile's first K/V loads
+    // overlap the previous tile's epilogue. The ring's stages and phases run on across tiles: `kv_base` counts the
+    // K/V tiles a block has gone through before the current work tile.
+    // Otherwise a block takes the one work tile its place in the (query blocks, heads, batch) grid names.
     struct Work {
         int m0, m1, h, b;
         Problem pr;
         Mask::Tiles tiles;
     };
-    auto work = [&](int unit, int part) {
+    auto work_at = [&](int m_block, int h, int b) {
         Work w;
-        const int j = unit % unit_blocks, hb = unit / unit_blocks;
-        const int m_block = part == 0 ? m_blocks - 1 - j : j;
-        w.h = hb % p.heads_q;
-        w.b = hb / p.heads_q;
-        w.pr = locate_problem(p, w.b, w.h);
+        w.h = h;
+        w.b = b;
+        w.pr = locate_problem(p, b, h);
         w.m0 = m_block * kBlockM;
         w.m1 = min(w.m0 + kBlockM, w.pr.seqlen_q);
         const Mask mask(p.window_left, p.window_right, w.pr.seqlen_q, w.pr.seqlen_k);
         w.tiles = w.m0 < w.pr.seqlen_q ? mask.key_tiles<kBlockN>(w.m0, w.m1) : Mask::Tiles{0, 0};
         return w;
     };
+    const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
+    const bool paired = kPersistent && p.window_left < 0 && p.window_right == 0;
+    const int unit_blocks = paired ? ceil_div(m_blocks, 2) : m_blocks;  // query blocks' units per head
+    const int units = unit_blocks * p.heads_q * p.batch;
+    // A causal unit's second tile, unless the first was the middle query block of an odd count.
+    auto tiles_in = [&](int unit) { return paired && 2 * (unit % unit_blocks) + 1 != m_blocks ? 2 : 1; };
+    auto work = [&](int unit, int part) {
+        const int j = unit % unit_blocks, hb = unit / unit_blocks;
+        return work_at(part == 0 ? m_blocks - 1 - j : j, hb % p.heads_q, hb / p.heads_q);
+    };
+    // One tile: heaviest first (under a causal mask the last query block sees the most keys).
+    const Work single = kPersistent ? Work{} : work_at(gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z);
+    if (!kPersistent && single.m0 >= single.pr.seqlen_q) return;
 
     const u32 k_smem = smem_addr(smem.k[0]), v_smem = smem_addr(smem.v[0]);
     const u32 k_full = smem_addr(smem.k_full), v_full = smem_addr(smem.v_full);
@@ -172,10 +178,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
         // rows, kv heads, batch); rows past the sequence read as zeros.
         setmaxnreg_dec<kProducerRegisters>();
         if (threadIdx.x != kProducerThread) return;
-        int kv_base = 0;
-        for (int unit = blockIdx.x; unit < units; unit += kPersistent ? gridDim.x : units)
-        for (int part = 0; part < tiles_in(unit); ++part) {
-            const Work w = work(unit, part);
+        auto produce = [&](const Work& w, int kv_base) {
             const int map_row0 = (int)w.pr.k_start, map_head = w.h / p.group, map_batch = w.b;
             for (int it = 0; it < w.tiles.count; ++it) {
                 const int ring = kv_base + it, stage = ring % kStages, round = ring / kStages;
@@ -194,8 +197,17 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
                     tma_load_4d(v_smem + stage * kVStageBytes + blk * kColumnBlockBytes<VTile>, maps.v,
                                 blk * kSwizzleRowElems, map_row0 + n0, map_head, map_batch, v_bar);
             }
-            kv_base += w.tiles.count;
-            if constexpr (!kPersistent) break;
+        };
+        if constexpr (kPersistent) {
+            int kv_base = 0;
+            for (int unit = blockIdx.x; unit < units; unit += gridDim.x)
+                for (int part = 0; part < tiles_in(unit); ++part) {
+                    const Work w = work(unit, part);
+                    produce(w, kv_base);
+                    kv_base += w.tiles.count;
+                }
+        } else {
+            produce(single, 0);
         }
         return;
     }
@@ -208,10 +220,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     const u32 q_tile = smem_addr(smem.q[consumer]);
     const int barrier = kConsumerBarrierBase + consumer;
     const float log2_factor = p.scale_log2;
-    int kv_base = 0;
-    for (int unit = blockIdx.x; unit < units; unit += kPersistent ? gridDim.x : units)
-    for (int part = 0; part < tiles_in(unit); ++part) {
-        const Work w = work(unit, part);
+    auto consume = [&](const Work& w, int kv_base) {
         const Problem& pr = w.pr;
         const int m0 = w.m0, n_begin = w.tiles.begin, n_tiles = w.tiles.count;
         const Mask mask(p.window_left, p.window_right, pr.seqlen_q, pr.seqlen_k);
@@ -417,8 +426,17 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
                 *reinterpret_cast<uint4*>(out + (i64)row * p.o_row_stride + col) =
                     *reinterpret_cast<const uint4*>(q_rows + QTile::offset(local_row, col));
         }
-        named_barrier_sync(barrier, kWarpgroupThreads);  // O has left before the next work tile's Q lands there
-        kv_base += n_tiles;
-        if constexpr (!kPersistent) break;
+    };
+    if constexpr (kPersistent) {
+        int kv_base = 0;
+        for (int unit = blockIdx.x; unit < units; unit += gridDim.x)
+            for (int part = 0; part < tiles_in(unit); ++part) {
+                const Work w = work(unit, part);
+                consume(w, kv_base);
+                named_barrier_sync(barrier, kWarpgroupThreads);  // O has left before the next tile's Q lands there
+                kv_base += w.tiles.count;
+            }
+    } else {
+        consume(single, 0);
     }
 }
