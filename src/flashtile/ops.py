@@ -1,5 +1,8 @@
 """flashtile's autograd: one eager-mode autograd.Function, and torch.library ops for torch.compile.
 
+A call with a host path (host.py) records the same node in C++ instead; this module's Function serves the rest
+and every call under torch.func transforms.
+
 Eager calls that need gradients go through :class:`Attention`, a ``torch.autograd.Function`` over a call
 (dispatch.PlannedCall or dispatch.GeneralCall): its forward runs the call's forward and saves q, k, v, out and
 lse (no seqlen x seqlen matrix), its backward runs the call's backward. That costs what autograd's node costs and
