@@ -82,6 +82,19 @@ def test_python_path_suspends_the_extension(monkeypatch):
     assert host.extension() is host._module
 
 
+def test_describe_names_the_path_without_building(monkeypatch, fresh_host):
+    monkeypatch.setattr(host, "_build", lambda: pytest.fail("built"))
+    monkeypatch.setenv(host.MODE_ENV, "off")
+    assert host.describe() == f"Python ({host.MODE_ENV}=off)"
+    monkeypatch.setenv(host.MODE_ENV, "auto")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert host.describe() == "Python (no C++ compiler found)"
+    monkeypatch.setattr(host, "_failed", True)
+    assert host.describe() == "Python (the C++ build failed)"
+    monkeypatch.setattr(host, "_module", type("Built", (), {"__file__": "/cache/host/x.so"})())
+    assert host.describe() == "C++ (/cache/host/x.so)"
+
+
 def test_the_backward_address_block_follows_the_nested_params():
     """host.cpp writes dO's address (and the seven after it) at BWD_ADDRESS_OFFSET."""
     values = launch.bwd_param_values(dout=0x1111, dq=0x2222, dq_semaphore=0x8888)
