@@ -106,8 +106,8 @@ def test_the_backward_address_block_follows_the_nested_params():
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
 def test_the_extension_builds_here(tmp_path):
-    """The source compiles against this torch (CI's CPU build included) and takes a plan's pieces. In a fresh
-    process: one process cannot load two builds of one extension name."""
+    """The source compiles against this torch (CI's CPU build included), past a stale build marker, and takes a
+    plan's pieces. In a fresh process: one process cannot load two builds of one extension name."""
     script = f"""
 import pytest
 from flashtile import host, launch
@@ -120,7 +120,13 @@ with pytest.raises(RuntimeError, match="params struct"):
     module.Forward([], bytes(4096), 0, [], [], None, None)
 print("built", module.__file__)
 """
+    # A killed build leaves torch's marker behind, which torch alone would wait on forever.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLASHTILE_CACHE_DIR", str(tmp_path))
+        folder = host.build_dir()
+    folder.mkdir(parents=True)
+    (folder / host.TORCH_BUILD_MARKER).write_text("left by a killed build")
     env = {**os.environ, "FLASHTILE_CACHE_DIR": str(tmp_path), host.MODE_ENV: "on"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"built {tmp_path}" in done.stdout

@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import Callable
 
 import torch
+from filelock import FileLock
 
 from . import jit, launch, plans, tma
 
@@ -35,6 +36,8 @@ MODE_ENV = "FLASHTILE_HOST"
 MODES = ("auto", "on", "off")
 SOURCE = Path(__file__).parent / "csrc" / "host.cpp"
 COMPILE_FLAGS = ["-O2"]
+BUILD_LOCK_TIMEOUT_S = 300.0  # another process's build takes well under this; past it this one gives up
+TORCH_BUILD_MARKER = "lock"   # torch.utils.cpp_extension's file while a build runs
 
 
 class HostPathWarning(RuntimeWarning):
@@ -102,12 +105,17 @@ def build_dir() -> Path:
 
 
 def _build() -> ModuleType:
+    """Build (or load the build of) the extension. Processes take turns through an OS file lock, which a killed
+    process releases; torch's own marker of a build in progress (`lock` in the folder) is then stale whenever it
+    exists, and torch would wait for it forever, so it goes first."""
     from torch.utils import cpp_extension
 
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(f"flashtile_host_{folder.name}", [str(SOURCE)], extra_cflags=COMPILE_FLAGS,
-                              build_directory=str(folder), verbose=False)
+    with FileLock(folder / "flashtile.lock", timeout=BUILD_LOCK_TIMEOUT_S):
+        (folder / TORCH_BUILD_MARKER).unlink(missing_ok=True)
+        return cpp_extension.load(f"flashtile_host_{folder.name}", [str(SOURCE)], extra_cflags=COMPILE_FLAGS,
+                                  build_directory=str(folder), verbose=False)
 
 
 def _build_in_background() -> None:
