@@ -1,6 +1,5 @@
 import math
 import os
-import shutil
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ from flashtile import host, plans
 
 # The suite runs the C++ host path wherever it can be built (auto's background build would switch paths mid-run);
 # tests take the `python_path` fixture for the Python path, and tests/test_host_gpu.py compares the two.
-os.environ.setdefault(host.MODE_ENV, "on" if shutil.which("c++") else "off")
+os.environ.setdefault(host.MODE_ENV, "on" if host.can_build() else "off")
 
 
 def pytest_collection_modifyitems(config, items):

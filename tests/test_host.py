@@ -1,13 +1,14 @@
 """The host path's switch and build (host.py) on any machine; its kernels run in tests/test_host_gpu.py."""
 
 import os
-import shutil
 import subprocess
 import sys
 import warnings
 
 import pytest
+import torch
 
+import flashtile
 from flashtile import api, host, launch, plans
 
 
@@ -35,14 +36,14 @@ def test_off_never_builds(monkeypatch, fresh_host):
 
 def test_auto_without_a_compiler_serves_the_python_path(monkeypatch, fresh_host):
     monkeypatch.setenv(host.MODE_ENV, "auto")
-    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(host, "can_build", lambda: False)
     monkeypatch.setattr(host, "_build", lambda: pytest.fail("built"))
     assert host.extension() is None and host._building is None
 
 
 def test_auto_builds_in_the_background_then_empties_the_call_cache(monkeypatch, fresh_host):
     monkeypatch.setenv(host.MODE_ENV, "auto")
-    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/c++")
+    monkeypatch.setattr(host, "can_build", lambda: True)
 
     class Built:
         poisoned = None
@@ -60,7 +61,7 @@ def test_auto_builds_in_the_background_then_empties_the_call_cache(monkeypatch, 
 
 def test_a_failed_background_build_warns_once_and_the_python_path_serves(monkeypatch, fresh_host):
     monkeypatch.setenv(host.MODE_ENV, "auto")
-    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/c++")
+    monkeypatch.setattr(host, "can_build", lambda: True)
 
     def broken():
         raise RuntimeError("no torch headers")
@@ -87,8 +88,8 @@ def test_describe_names_the_path_without_building(monkeypatch, fresh_host):
     monkeypatch.setenv(host.MODE_ENV, "off")
     assert host.describe() == f"Python ({host.MODE_ENV}=off)"
     monkeypatch.setenv(host.MODE_ENV, "auto")
-    monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert host.describe() == "Python (no C++ compiler found)"
+    monkeypatch.setattr(host, "can_build", lambda: False)
+    assert host.describe() == "Python (no C++ compiler or Python headers found)"
     monkeypatch.setattr(host, "_failed", True)
     assert host.describe() == "Python (the C++ build failed)"
     monkeypatch.setattr(host, "_module", type("Built", (), {"__file__": "/cache/host/x.so"})())
@@ -104,7 +105,7 @@ def test_the_backward_address_block_follows_the_nested_params():
     assert words[0] == 0x1111 and words[1] == 0x2222 and words[-1] == 0x8888
 
 
-@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
+@pytest.mark.skipif(not host.can_build(), reason="needs a C++ compiler and Python's headers")
 def test_the_extension_builds_here(tmp_path):
     """The source compiles against this torch (CI's CPU build included), past a stale build marker, and takes a
     plan's pieces. In a fresh process: one process cannot load two builds of one extension name."""
@@ -130,3 +131,86 @@ print("built", module.__file__)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"built {tmp_path}" in done.stdout
+
+
+# ---- torch's CPU kernel through the extension (GeneralCall.cpu_kernel) ----------------------------------------------
+
+needs_build = pytest.mark.skipif(not host.can_build(), reason="needs a C++ compiler and Python's headers")
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, dtype)
+CPU_CASES = [
+    (2, 37, 37, 4, 2, 16, True, torch.float32),
+    (1, 64, 64, 4, 4, 64, False, torch.bfloat16),
+    (2, 20, 45, 2, 1, 32, False, torch.float64),
+    (1, 33, 33, 2, 2, 8, True, torch.float16),
+]
+
+
+def _cpu_leaves(case, seed=0):
+    batch, sq, sk, hq, hkv, d, _, dtype = case
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((batch, sq, hq, d), (batch, sk, hkv, d), (batch, sk, hkv, d))
+    return [torch.randn(s, generator=g, dtype=torch.float32).to(dtype).requires_grad_() for s in shapes]
+
+
+def _cpu_step(case, leaves, dout):
+    out, lse = flashtile.attention(*leaves, causal=case[6], return_lse=True)
+    return (out.detach(), lse.detach(), *torch.autograd.grad(out, leaves, dout))
+
+
+@needs_build
+@pytest.mark.parametrize("case", CPU_CASES, ids=[str(c[:7]) + str(c[7])[6:] for c in CPU_CASES])
+def test_the_cpu_kernel_call_matches_the_python_path_bitwise(monkeypatch, case):
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    leaves = _cpu_leaves(case)
+    dout = torch.randn(*leaves[0].shape, dtype=torch.float32).to(case[7])
+    api._calls.clear()
+    ours = _cpu_step(case, leaves, dout)
+    assert [c.cpu_kernel is not None for c in api._calls.values()] == [True], "not the C++ kernel call"
+    with host.python_path():
+        theirs = _cpu_step(case, leaves, dout)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+@needs_build
+def test_a_nonfinite_input_leaves_the_cpu_kernel_call_to_the_python_rules(monkeypatch):
+    """torch's kernel cannot show a NaN: the C++ call returns None and the general path's rules decide (the rows
+    that read the NaN are NaN, the others exact)."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    q, k, v = (t.detach() for t in _cpu_leaves(CPU_CASES[0]))
+    k[0, 5, 1, 3] = float("nan")
+    with torch.no_grad():
+        out, lse = flashtile.attention(q, k, v, causal=True, return_lse=True)
+        with host.python_path():
+            expected = flashtile.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out.isnan(), expected[0].isnan()) and out.isnan().any()
+    torch.testing.assert_close(out, expected[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(lse, expected[1], rtol=0, atol=0, equal_nan=True)
+
+
+@needs_build
+@pytest.mark.parametrize("options", [dict(causal=True, softcap=5.0), dict(window_size=(4, 0)), dict(causal=True)],
+                         ids=["softcap", "window", "causal-not-square"])
+def test_the_cpu_kernel_call_is_not_taken_where_the_kernel_does_not_serve(monkeypatch, options):
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    api._calls.clear()
+    q = torch.randn(1, 9, 2, 16)
+    k = v = torch.randn(1, 9 if "causal" not in options or len(options) > 1 else 13, 2, 16)
+    with torch.no_grad():
+        flashtile.attention(q, k, v, **options)
+    assert [c.cpu_kernel for c in api._calls.values()] == [None]
+
+
+@needs_build
+def test_the_extensions_finite_check_finds_every_nonfinite_kind(monkeypatch):
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    module = host.extension()
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        x = torch.randn(3, 70000).to(dtype)
+        assert module.all_finite(x) and module.all_finite(x.t())
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            y = x.clone()
+            y[2, 69999] = bad
+            assert not module.all_finite(y) and not module.all_finite(y.t())
+        assert module.all_finite(torch.tensor([torch.finfo(dtype).max, torch.finfo(dtype).tiny], dtype=dtype))

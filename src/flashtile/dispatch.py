@@ -168,13 +168,15 @@ class GeneralCall:
     """A call the general path serves (the CPU's, and CUDA calls no plan takes): the checked problem's options;
     each run brings its own q, k, v."""
 
-    __slots__ = ("problem", "deterministic", "rung")
-    host = None  # the general path runs in Python
+    __slots__ = ("problem", "deterministic", "rung", "cpu_kernel")
+    host = None  # no C++ autograd node: ops.Attention runs the general path's backward
 
-    def __init__(self, problem: FwdProblem, deterministic: bool, rung="auto"):
+    def __init__(self, problem: FwdProblem, deterministic: bool, rung="auto", cpu_kernel=None):
         self.problem = problem
         self.deterministic = deterministic
         self.rung = rung
+        # On the CPU, host.cpu_kernel_of's C++ calls of torch's kernel where it serves; None: the Python path.
+        self.cpu_kernel = cpu_kernel
 
     @staticmethod
     def serves(q, k, v) -> bool:
@@ -183,7 +185,15 @@ class GeneralCall:
         return q.is_cpu
 
     def forward(self, q, k, v):
+        if self.cpu_kernel is not None:
+            result = self.cpu_kernel[0](q, k, v)
+            if result is not None:  # None: an input holds a NaN or an Inf, which the Python path's rules take
+                return result
         return forward(self.problem.on(q, k, v), self.rung)
 
     def backward(self, dout, q, k, v, out, lse, dlse=None):
+        if self.cpu_kernel is not None and dlse is None:  # the kernel derives D from out alone: no dLSE term
+            result = self.cpu_kernel[1](dout, q, k, v, out, lse)
+            if result is not None:
+                return result
         return backward(self.problem.on(q, k, v), out, lse, dout, self.deterministic, dlse)

@@ -1,5 +1,5 @@
 """The host path: a planned call's per-call work (allocate, write the params, launch, record the autograd node) in
-C++, where a host compiler exists.
+C++, where a host compiler exists; and on the CPU, the finite check and torch's kernel call of the general path.
 
 Python plans every call (plans.py); ``csrc/host.cpp`` only replays a plan: it takes the kernels' handles and
 geometry and the params struct packed with its address fields zero, and per call writes the operands' addresses
@@ -9,7 +9,8 @@ neither ``autograd.Function``'s Python layer nor Python's per-launch cost.
 torch.utils.cpp_extension builds it once per torch version and source (about half a minute; then it loads from
 the cache folder). ``FLASHTILE_HOST`` chooses:
 
-- ``auto`` (default): the first CUDA call starts the build in a background thread where a C++ compiler is found;
+- ``auto`` (default): the first CUDA call (or CPU call torch's kernel serves) starts the build in a background
+  thread where a C++ compiler is found;
   calls take the Python path until it is ready, then the call cache is emptied so that new plans take it.
 - ``on``: build on the first CUDA call and wait for it; a failed build is an error (tests and benchmarks).
 - ``off``: the Python path only.
@@ -21,6 +22,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import sysconfig
 import threading
 import warnings
 from pathlib import Path
@@ -30,12 +32,12 @@ from typing import Callable
 import torch
 from filelock import FileLock
 
-from . import jit, launch, plans, tma
+from . import cpu_kernel, jit, launch, plans, tma
 
 MODE_ENV = "FLASHTILE_HOST"
 MODES = ("auto", "on", "off")
 SOURCE = Path(__file__).parent / "csrc" / "host.cpp"
-COMPILE_FLAGS = ["-O2"]
+COMPILE_FLAGS = ["-O3"]  # -O3: gcc vectorizes the finite check's loop
 BUILD_LOCK_TIMEOUT_S = 300.0  # another process's build takes well under this; past it this one gives up
 TORCH_BUILD_MARKER = "lock"   # torch.utils.cpp_extension's file while a build runs
 
@@ -99,6 +101,12 @@ def _loaded(module: ModuleType) -> ModuleType:
     return module
 
 
+def can_build() -> bool:
+    """A C++ compiler ($CXX, else c++) and Python's headers: what torch's extension build needs here."""
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and headers.is_file()
+
+
 def build_dir() -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
     return jit.cache_dir() / "host" / digest
@@ -147,7 +155,7 @@ def extension() -> ModuleType | None:
             return _module
         if chosen == "on":
             return _loaded(_build())
-        if _building is None and shutil.which(os.environ.get("CXX", "c++")):
+        if _building is None and can_build():
             _building = threading.Thread(target=_build_in_background, name="flashtile-host-build", daemon=True)
             _building.start()
     return None
@@ -162,8 +170,8 @@ def describe() -> str:
         return f"Python ({MODE_ENV}=off)"
     if _failed:
         return "Python (the C++ build failed)"
-    if chosen == "auto" and not shutil.which(os.environ.get("CXX", "c++")):
-        return "Python (no C++ compiler found)"
+    if chosen == "auto" and not can_build():
+        return "Python (no C++ compiler or Python headers found)"
     return f"C++ once built (first CUDA call; {MODE_ENV}={chosen}), Python until then"
 
 
@@ -199,3 +207,22 @@ def forward_of(plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device:
     backward = None if backward_plan is None else _backward_of(module, backward_plan, device)
     return module.Forward(_steps(plan.launches), packed, launch.primary_context(device), list(plan.out_shape or ()),
                           list(plan.lse_shape or ()), make_maps, backward)
+
+
+def cpu_kernel_of(problem) -> tuple[Callable, Callable] | None:
+    """The C++ calls of torch's CPU kernel for a CPU problem it computes as flashtile defines it (square under a
+    causal mask): `forward(q, k, v) -> (out, lse)` and `backward(dout, q, k, v, out, lse) -> (dq, dk, dv)`, each
+    None when an input is not finite (the general path's rules then serve). None where the general path serves
+    every call: no extension, or the kernel does not serve the problem."""
+    q, k, v = problem.q, problem.k, problem.v
+    left, right = problem.window
+    if problem.varlen or not cpu_kernel.serves(q, k, v, left, right, problem.softcap, problem.alibi_slopes):
+        return None
+    if right == 0 and q.shape[1] != k.shape[1]:  # the kernel's causal mask is top-left aligned: square only
+        return None
+    module = extension()
+    if module is None:
+        return None
+    scale, causal = problem.scale, right == 0
+    return (lambda q, k, v: module.cpu_forward(q, k, v, scale, causal),
+            lambda dout, q, k, v, out, lse: module.cpu_backward(dout, q, k, v, out, lse, scale, causal))

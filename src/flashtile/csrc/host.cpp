@@ -12,17 +12,22 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
 
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 namespace py = pybind11;
@@ -324,9 +329,69 @@ struct Forward {
   }
 };
 
+// ---- The CPU's kernel call (dispatch.GeneralCall, cpu_kernel.forward's square case) ------------------------------
+
+constexpr int64_t kFiniteGrain = 1 << 16;  // elements per task of the finite check
+
+// Whether no element of a contiguous buffer of IEEE numbers has its exponent bits all set (an Inf or a NaN).
+template <typename Bits, Bits kExponent>
+bool exponents_finite(const at::Tensor& t) {
+  const Bits* data = static_cast<const Bits*>(t.const_data_ptr());
+  return at::parallel_reduce(
+      0, t.numel(), kFiniteGrain, true,
+      [&](int64_t begin, int64_t end, bool finite) {
+        bool nonfinite = false;
+        for (int64_t i = begin; i < end; ++i) nonfinite |= (data[i] & kExponent) == kExponent;
+        return finite && !nonfinite;
+      },
+      [](bool a, bool b) { return a && b; });
+}
+
+bool all_finite(const at::Tensor& t) {
+  if (!t.is_contiguous()) return at::isfinite(t).all().item<bool>();
+  switch (t.scalar_type()) {
+    case at::kFloat: return exponents_finite<uint32_t, 0x7f800000u>(t);
+    case at::kDouble: return exponents_finite<uint64_t, 0x7ff0000000000000ull>(t);
+    case at::kBFloat16: return exponents_finite<uint16_t, 0x7f80>(t);
+    case at::kHalf: return exponents_finite<uint16_t, 0x7c00>(t);
+    default: return at::isfinite(t).all().item<bool>();
+  }
+}
+
+// torch's CPU FlashAttention kernel on (b, s, h, d) operands where it computes flashtile's definition (no softcap,
+// ALiBi or window; causal only when seqlen_q == seqlen_k: the caller decides), as cpu_kernel.forward returns it:
+// contiguous (b, s_q, h_q, d) and an fp32 (b, h_q, s_q) LSE. None when an input holds a NaN or an Inf: the kernel's
+// outputs cannot show them, and the Python path applies flashtile's rules.
+std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v, double scale, bool causal) {
+  if (!all_finite(q) || !all_finite(k) || !all_finite(v)) return std::nullopt;
+  auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q.transpose(1, 2), k.transpose(1, 2),
+                                                                     v.transpose(1, 2), 0.0, causal, std::nullopt,
+                                                                     scale);
+  return std::make_tuple(out.transpose(1, 2).contiguous(), lse.to(at::kFloat).contiguous());
+}
+
+// Its backward for what cpu_forward returned (cpu_kernel.backward's square case): contiguous (dq, dk, dv) shaped
+// like q, k, v; None when q, k or v is not finite.
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> cpu_backward(
+    at::Tensor dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double scale, bool causal) {
+  if (!all_finite(q) || !all_finite(k) || !all_finite(v)) return std::nullopt;
+  if (dout.stride(-1) != 1) dout = dout.contiguous();
+  const at::Tensor lse_accum = lse.to(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+      dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse_accum,
+      0.0, causal, std::nullopt, scale);
+  return std::make_tuple(dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(),
+                         dv.transpose(1, 2).contiguous());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("cpu_forward", &cpu_forward);
+  m.def("cpu_backward", &cpu_backward);
+  m.def("all_finite", &all_finite);
   m.def("set_poison", [](bool on) { poison_outputs = on; });
   py::class_<Backward, std::shared_ptr<Backward>>(m, "Backward")
       .def(py::init<const py::list&, py::bytes, uintptr_t, size_t, std::vector<int64_t>, int64_t, int64_t,
