@@ -107,18 +107,21 @@ def test_the_backward_address_block_follows_the_nested_params():
 
 @pytest.mark.skipif(not host.can_build(), reason="needs a C++ compiler and Python's headers")
 def test_the_extension_builds_here(tmp_path):
-    """The source compiles against this torch (CI's CPU build included), past a stale build marker, and takes a
-    plan's pieces. In a fresh process: one process cannot load two builds of one extension name."""
+    """The source compiles against this torch (CI's CPU build included), past a stale build marker, takes a plan's
+    pieces and refuses bad ones with a Python error (a throwing bound constructor once killed the process on the
+    H200). In a fresh process: one process cannot load two builds of one extension name."""
     script = f"""
 import pytest
 from flashtile import host, launch
 module = host.extension()
 assert host.build_dir().name in module.__file__
-backward = module.Backward([(0, 1, 1, 1, 128, 0)], bytes(launch.BWD_PARAMS_STRUCT.size), 0,
-                           launch.BWD_ADDRESS_OFFSET, [1, 2, 3, 4], 8, 64, 0)
-module.Forward([(0, 1, 1, 1, 128, 0)], bytes(launch.PARAMS_STRUCT.size), 0, [], [1, 2, 3], None, backward)
+backward = module.make_backward([(0, 1, 1, 1, 128, 0)], bytes(launch.BWD_PARAMS_STRUCT.size), 0,
+                           launch.BWD_ADDRESS_OFFSET, [1, 2, 3, 4], 8, 64, 0, 1, 1, 1, 1)
+module.make_forward([(0, 1, 1, 1, 128, 0)], bytes(launch.PARAMS_STRUCT.size), 0, [], [1, 2, 3], None, backward)
 with pytest.raises(RuntimeError, match="params struct"):
-    module.Forward([], bytes(4096), 0, [], [], None, None)
+    module.make_forward([], bytes(4096), 0, [], [], None, None)
+with pytest.raises(RuntimeError):
+    module.make_forward([("not a launch",)], bytes(8), 0, [], [], None, None)
 print("built", module.__file__)
 """
     # A killed build leaves torch's marker behind, which torch alone would wait on forever.

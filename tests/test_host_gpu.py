@@ -72,6 +72,45 @@ def test_host_path_matches_python_path_bitwise(case, with_dlse, poisoned_outputs
     assert grads.ok, grads
 
 
+@pytest.fixture
+def heads_in_groups(monkeypatch):
+    """Backward plans made in this test run one key/value head per launch (a dQ accumulator budget of one byte);
+    no call planned under it outlives the test."""
+    from flashtile import backward
+
+    api._calls.clear()
+    monkeypatch.setattr(backward, "SCRATCH_LIMIT_BYTES", 1)
+    yield
+    api._calls.clear()
+
+
+GROUPED_CASES = [case for case in CASES if case[4] > 1]  # more than one key/value head: more than one group
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=[str(c) for c in GROUPED_CASES])
+def test_heads_in_groups_keep_the_host_path_and_its_bits(case, poisoned_outputs, poisoned_grads, request):
+    """Past SCRATCH_LIMIT_BYTES the planned call runs its backward once per group of heads (the matrix's
+    training shapes do): C++ and Python alike, bit for bit what one launch over all heads gives (deterministic
+    mode), the LSE's gradient included."""
+    leaves = _leaves(case)
+    q, k, v = leaves
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], device="cuda", dtype=q.dtype)
+    dlse = torch.randn(q.shape[0], q.shape[2], q.shape[1], device="cuda")
+    whole = _train_step(case, leaves, dout, dlse)
+    assert _host_call(q, k, v, case[-1]).backward_plan.groups.count == 1
+    request.getfixturevalue("heads_in_groups")
+    grouped = _train_step(case, leaves, dout, dlse)
+    call = _host_call(q, k, v, case[-1])
+    assert call.host is not None and call.backward_plan.groups.count == case[4]
+    with host.python_path():
+        python = _train_step(case, leaves, dout, dlse)
+    for a, b, c in zip((whole[0], whole[1], *whole[2]), (grouped[0], grouped[1], *grouped[2]),
+                       (python[0], python[1], *python[2])):
+        assert torch.equal(a, b) and torch.equal(b, c)
+    grads = compare_grads(q.detach(), k.detach(), v.detach(), dout, grouped[2], dlse=dlse, causal=case[-1])
+    assert grads.ok, grads
+
+
 def test_no_grad_calls_take_the_host_path_and_write_every_element(poisoned_outputs):
     q, k, v = (t.detach() for t in _leaves(CASES[1]))
     with torch.no_grad():

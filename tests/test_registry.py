@@ -241,3 +241,23 @@ def test_decode_splits_fill_one_wave(blocks, seqlen_k, splits):
     from flashtile import decode
 
     assert decode.choose_splits(blocks, seqlen_k, slots=132) == splits
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, limit_heads, expected", [
+    (16, 16, 16, 16),   # every head's accumulator fits: one launch
+    (16, 16, 8, 8),     # the standard matrix's training rows: two groups of eight
+    (16, 16, 7, 4),     # the largest divisor of 16 under 7: four groups alike
+    (14, 7, 3, 1),      # a prime number of kv heads: one per launch
+    (32, 8, 2, 2),      # GQA: the budget counts the four query heads of every kv head
+])
+def test_backward_head_groups_divide_the_heads(monkeypatch, heads_q, heads_kv, limit_heads, expected):
+    """kv_heads_per_launch: as many kv heads as the dQ accumulator's budget holds, rounded down to a divisor of
+    heads_kv, so that every group's launches are alike (one plan replays them all)."""
+    from types import SimpleNamespace
+
+    rows, head_dim = 1000, 128
+    per_kv_head = rows * (heads_q // heads_kv) * head_dim * backward.FP32_BYTES
+    monkeypatch.setattr(backward, "SCRATCH_LIMIT_BYTES", limit_heads * per_kv_head)
+    module = SimpleNamespace(spec=SimpleNamespace(defines=(("FT_HEAD_DIM", head_dim),)))
+    problem = SimpleNamespace(heads_q=heads_q, heads_kv=heads_kv)
+    assert backward.kv_heads_per_launch(problem, module, rows) == expected

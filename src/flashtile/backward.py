@@ -66,12 +66,18 @@ def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
 def plan(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, lse: torch.Tensor,
          dout: torch.Tensor, grads: tuple[torch.Tensor, ...], deterministic: bool) -> plans.BwdPlan:
     """The backward plan of `problem` (q/k/v kernel-ready) given the forward's `out` and `lse`, and dO and the
-    gradient buffers laid out as the plan's runs will find them."""
+    gradient buffers laid out as the plan's runs will find them. Where the fp32 dQ accumulator of every head
+    would pass SCRATCH_LIMIT_BYTES, the plan runs its launches once per group of heads (kv_heads_per_launch)."""
     spec = module.spec
     defines = dict(spec.defines)
     block_m, block_n, warps = defines["FT_BLOCK_M"], defines["FT_BLOCK_N"], defines["FT_WARPS"]
     row_warps, rows_per_block = defines["FT_ROW_WARPS"], defines["FT_PREPROCESS_ROWS"]
     varlen = problem.varlen
+    lse_head_dim = 0 if varlen else 1  # the LSE is (heads, total) packed, (batch, heads, seqlen) otherwise
+    kv_heads = kv_heads_per_launch(problem, module, lse.numel() // problem.heads_q)
+    groups, q_heads = problem.heads_kv // kv_heads, kv_heads * (problem.heads_q // problem.heads_kv)
+    if groups > 1:  # the first group stands for every one: the others differ only by their heads' addresses
+        problem, out, lse, dout, grads = _first_heads(problem, out, lse, dout, grads, q_heads, kv_heads, lse_head_dim)
     dq, dk, dv = grads
     m_blocks = math.ceil(problem.seqlen_q / block_m)
     kernels = module.kernels
@@ -84,7 +90,18 @@ def plan(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, ls
         (rows, *main, convert), problem.params(out, lse)[plans.ADDRESS_FIELDS:],
         (*_strides(dout, varlen), *_strides(dq, varlen), *_strides(dk, varlen), *_strides(dv, varlen), m_blocks),
         dout.stride(), lse.numel(), lse.numel() * defines["FT_HEAD_DIM"],
-        problem.batch * problem.heads_q * m_blocks if deterministic else 0)
+        problem.batch * problem.heads_q * m_blocks if deterministic else 0,
+        plans.HeadGroups(groups, q_heads, kv_heads, lse_head_dim))
+
+
+def _first_heads(problem: FwdProblem, out, lse, dout, grads, q_heads: int, kv_heads: int, lse_head_dim: int):
+    """The problem and buffers of the first group of heads, laid out as BwdPlan.run hands each group over."""
+    qh, kv = slice(0, q_heads), slice(0, kv_heads)
+    slopes = problem.alibi_slopes[..., qh] if problem.alibi_slopes is not None else None
+    part = dataclasses.replace(problem, q=problem.q[..., qh, :], k=problem.k[..., kv, :], v=problem.v[..., kv, :],
+                               alibi_slopes=slopes)
+    return (part, out[..., qh, :], lse.narrow(lse_head_dim, 0, q_heads).contiguous(), dout[..., qh, :],
+            (grads[0][..., qh, :], grads[1][..., kv, :], grads[2][..., kv, :]))
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -102,47 +119,30 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
-def head_groups(problem: FwdProblem, module: launch.LoadedModule, query_rows: int) -> int:
-    """How many kv heads one launch may take so that the fp32 dQ accumulator of `query_rows` rows (all batches)
-    stays under SCRATCH_LIMIT_BYTES (training at long sequence lengths then needs little more than its own
-    tensors)."""
+def kv_heads_per_launch(problem: FwdProblem, module: launch.LoadedModule, query_rows: int) -> int:
+    """How many kv heads one launch takes: all of them, unless the fp32 dQ accumulator of `query_rows` rows (all
+    batches) would pass SCRATCH_LIMIT_BYTES (training at long sequence lengths then needs little more than its
+    own tensors); then the largest divisor of heads_kv that stays under it, so that every group is alike."""
     group = problem.heads_q // problem.heads_kv
     accum_bytes_per_kv_head = query_rows * group * dict(module.spec.defines)["FT_HEAD_DIM"] * FP32_BYTES
-    return max(1, SCRATCH_LIMIT_BYTES // accum_bytes_per_kv_head)
+    fits = max(1, SCRATCH_LIMIT_BYTES // accum_bytes_per_kv_head)
+    return max(h for h in range(1, problem.heads_kv + 1) if problem.heads_kv % h == 0 and h <= fits)
 
 
 def run(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, lse: torch.Tensor,
         dout: torch.Tensor, deterministic: bool,
         dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of `problem` (q/k/v, out and dout kernel-ready), in batch parts a grid can hold and in head
-    groups where the accumulator is large. `dlse`: the gradient of the log-sum-exp, or None."""
+    """dQ, dK, dV of `problem` (q/k/v, out and dout kernel-ready), in batch parts a grid can hold (each plan then
+    runs its head groups). `dlse`: the gradient of the log-sum-exp, or None."""
     grads = plans.empty_grads(problem.q, problem.k, problem.v)
     for b0, b1, part in problem.batch_parts():
         if problem.varlen:  # the packed tensors stay whole: each part's offsets say which rows are its own
-            _run_head_groups(part, module, out, lse, dout, grads, dlse, deterministic)
+            buffers = out, lse, dout, dlse, grads
         else:
-            _run_head_groups(part, module, out[b0:b1], lse[b0:b1], dout[b0:b1], tuple(g[b0:b1] for g in grads),
-                             None if dlse is None else dlse[b0:b1], deterministic)
+            buffers = (out[b0:b1], lse[b0:b1], dout[b0:b1], None if dlse is None else dlse[b0:b1],
+                       tuple(g[b0:b1] for g in grads))
+        part_out, part_lse, part_dout, part_dlse, part_grads = buffers
+        plan(part, module, part_out, part_lse, part_dout, part_grads, deterministic).run(
+            part_dout, part.q, part.k, part.v, part_out, part_lse, part.cu_seqlens_q, part.cu_seqlens_k,
+            part.alibi_slopes, grads=part_grads, dlse=part_dlse)
     return grads
-
-
-def _run_head_groups(problem: FwdProblem, module: launch.LoadedModule, out, lse, dout, grads, dlse,
-                     deterministic: bool) -> None:
-    chunk = head_groups(problem, module, lse.numel() // problem.heads_q)
-    if chunk >= problem.heads_kv:
-        plan(problem, module, out, lse, dout, grads, deterministic).run(
-            dout, problem.q, problem.k, problem.v, out, lse, problem.cu_seqlens_q, problem.cu_seqlens_k,
-            problem.alibi_slopes, grads=grads, dlse=dlse)
-        return
-    group = problem.heads_q // problem.heads_kv
-    for h0 in range(0, problem.heads_kv, chunk):
-        kv, qh = slice(h0, h0 + chunk), slice(h0 * group, (h0 + chunk) * group)
-        slopes = problem.alibi_slopes[..., qh] if problem.alibi_slopes is not None else None
-        part = dataclasses.replace(problem, q=problem.q[..., qh, :], k=problem.k[..., kv, :], v=problem.v[..., kv, :],
-                                   alibi_slopes=slopes)
-        part_lse = (lse[qh] if problem.varlen else lse[:, qh]).contiguous()
-        part_dlse = None if dlse is None else dlse[qh] if problem.varlen else dlse[:, qh]
-        part_grads = (grads[0][..., qh, :], grads[1][..., kv, :], grads[2][..., kv, :])
-        plan(part, module, out[..., qh, :], part_lse, dout[..., qh, :], part_grads, deterministic).run(
-            dout[..., qh, :], part.q, part.k, part.v, out[..., qh, :], part_lse, problem.cu_seqlens_q,
-            problem.cu_seqlens_k, slopes, grads=part_grads, dlse=part_dlse)

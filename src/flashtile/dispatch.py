@@ -157,8 +157,6 @@ def planned_call(problem: FwdProblem, rung, deterministic: bool, want_grad: bool
     if not _backward_kernels_serve(problem):
         return None
     _, bwd_module = load(problem, "bwd")
-    if bwd.head_groups(problem, bwd_module, problem.batch * problem.seqlen_q) < problem.heads_kv:
-        return None  # the dQ accumulator needs head groups: the general path splits them
     out, lse = plans.empty_outputs(q, problem.out_shape(), problem.lse_shape())
     backward_plan = bwd.plan(problem, bwd_module, out, lse, out, plans.empty_grads(q, k, v), deterministic)
     return PlannedCall(forward_plan, backward_plan, q.device.index)

@@ -191,8 +191,10 @@ def _steps(launches: tuple[launch.Launch, ...]) -> list[tuple[int, ...]]:
 def _backward_of(module: ModuleType, plan: plans.BwdPlan, device: int):
     packed = launch.BWD_PARAMS_STRUCT.pack(*(0,) * plans.ADDRESS_FIELDS, *plan.tail,
                                            *(0,) * plans.BWD_ADDRESS_FIELDS, *plan.bwd_tail)
-    return module.Backward(_steps(plan.launches), packed, launch.primary_context(device), launch.BWD_ADDRESS_OFFSET,
-                           list(plan.dout_stride), plan.lse_floats, plan.accum_floats, plan.semaphore_ints)
+    return module.make_backward(_steps(plan.launches), packed, launch.primary_context(device),
+                                launch.BWD_ADDRESS_OFFSET, list(plan.dout_stride), plan.lse_floats, plan.accum_floats,
+                                plan.semaphore_ints, plan.groups.count, plan.groups.q_heads, plan.groups.kv_heads,
+                                plan.groups.lse_head_dim)
 
 
 def forward_of(plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device: int):
@@ -205,8 +207,8 @@ def forward_of(plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device:
     box = plan.kv_box
     make_maps = None if box is None else (lambda k, v: tma.kernel_argument(k, v, box))
     backward = None if backward_plan is None else _backward_of(module, backward_plan, device)
-    return module.Forward(_steps(plan.launches), packed, launch.primary_context(device), list(plan.out_shape or ()),
-                          list(plan.lse_shape or ()), make_maps, backward)
+    return module.make_forward(_steps(plan.launches), packed, launch.primary_context(device),
+                               list(plan.out_shape or ()), list(plan.lse_shape or ()), make_maps, backward)
 
 
 def cpu_kernel_of(problem) -> tuple[Callable, Callable] | None:

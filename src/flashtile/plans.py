@@ -78,37 +78,65 @@ class FwdPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class HeadGroups:
+    """How a backward plan covers the heads: `count` runs of its launches, each over `q_heads` query heads and
+    their `kv_heads` key/value heads (one run over all of them when count is 1). A group's operands are the
+    caller's at the group's first head; its LSE is a contiguous copy of the group's rows (the kernels index D, the
+    base-2 LSE and the dQ accumulator as they index the LSE), sliced along `lse_head_dim`."""
+
+    count: int
+    q_heads: int
+    kv_heads: int
+    lse_head_dim: int
+
+
+@dataclass(frozen=True, slots=True)
 class BwdPlan:
     launches: tuple[launch.Launch, ...]  # preprocess, the main kernel (or its two passes), the dQ conversion
-    tail: tuple                          # AttnParams after its addresses
+    tail: tuple                          # AttnParams after its addresses (one head group's)
     bwd_tail: tuple                      # BwdParams after its own addresses: dO, dQ, dK, dV strides, m_blocks
     dout_stride: tuple[int, ...]         # dO must be laid out like the forward's output
-    lse_floats: int                      # D and the base-2 LSE: one float per query row each
-    accum_floats: int                    # the fp32 dQ accumulator
-    semaphore_ints: int                  # deterministic mode's turn counters; 0 when off
+    lse_floats: int                      # D and the base-2 LSE: one float per query row of a head group each
+    accum_floats: int                    # the fp32 dQ accumulator of a head group
+    semaphore_ints: int                  # deterministic mode's turn counters of a head group; 0 when off
+    groups: HeadGroups
 
     def run(self, dout, q, k, v, o, lse, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, grads=None,
             dlse=None):
         """(dq, dk, dv) shaped like q, k, v: fresh, or written into `grads` (laid out as the plan was built).
 
         `dlse`, the gradient of the returned log-sum-exp (None: the loss does not use it), enters as D - dLSE:
-        d lse_i / d s_ij = P_ij, so dS = P * (dP - D + dLSE)."""
+        d lse_i / d s_ij = P_ij, so dS = P * (dP - D + dLSE). The head groups run one after the other on the
+        stream, so they share one scratch buffer."""
         if dout.stride() != self.dout_stride or dout.data_ptr() % ALIGN_BYTES:
             dout = torch.empty_like(o).copy_(dout)
         dq, dk, dv = empty_grads(q, k, v) if grads is None else grads
         accum_at = -(-2 * self.lse_floats // SCRATCH_ALIGN_FLOATS) * SCRATCH_ALIGN_FLOATS
         scratch = torch.empty(accum_at + self.accum_floats, dtype=FP32, device=q.device)
         base = scratch.data_ptr()
-        semaphore = (torch.zeros(self.semaphore_ints, dtype=torch.int32, device=q.device)
+        groups = self.groups
+        semaphore = (torch.zeros(groups.count * self.semaphore_ints, dtype=torch.int32, device=q.device)
                      if self.semaphore_ints else None)
-        params = ((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), 0,
-                   _address(cu_seqlens_q), _address(cu_seqlens_k), _address(alibi_slopes)) + self.tail
-                  + (dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), base + accum_at * 4, base,
-                     base + self.lse_floats * 4, _address(semaphore)) + self.bwd_tail)
-        if dlse is None:
-            launch.run(self.launches, params, launch.BWD_PARAMS_STRUCT)
-        else:
-            launch.run(self.launches[:1], params, launch.BWD_PARAMS_STRUCT)  # the preprocess writes D
-            scratch[:self.lse_floats].view(lse.shape).sub_(dlse)
-            launch.run(self.launches[1:], params, launch.BWD_PARAMS_STRUCT)
+        for g in range(groups.count):
+            q_, k_, v_, o_, dout_, dq_, dk_, dv_ = q, k, v, o, dout, dq, dk, dv
+            lse_, dlse_, slopes = lse, dlse, alibi_slopes
+            if groups.count > 1:
+                qh = slice(g * groups.q_heads, (g + 1) * groups.q_heads)
+                kv = slice(g * groups.kv_heads, (g + 1) * groups.kv_heads)
+                q_, o_, dout_, dq_ = (t[..., qh, :] for t in (q, o, dout, dq))
+                k_, v_, dk_, dv_ = (t[..., kv, :] for t in (k, v, dk, dv))
+                lse_ = lse.narrow(groups.lse_head_dim, qh.start, groups.q_heads).contiguous()
+                dlse_ = None if dlse is None else dlse.narrow(groups.lse_head_dim, qh.start, groups.q_heads)
+                slopes = None if alibi_slopes is None else alibi_slopes[..., qh]
+            turns = 0 if semaphore is None else semaphore.data_ptr() + g * self.semaphore_ints * 4
+            params = ((q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o_.data_ptr(), lse_.data_ptr(), 0,
+                       _address(cu_seqlens_q), _address(cu_seqlens_k), _address(slopes)) + self.tail
+                      + (dout_.data_ptr(), dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), base + accum_at * 4, base,
+                         base + self.lse_floats * 4, turns) + self.bwd_tail)
+            if dlse_ is None:
+                launch.run(self.launches, params, launch.BWD_PARAMS_STRUCT)
+            else:
+                launch.run(self.launches[:1], params, launch.BWD_PARAMS_STRUCT)  # the preprocess writes D
+                scratch[:self.lse_floats].view(lse_.shape).sub_(dlse_)
+                launch.run(self.launches[1:], params, launch.BWD_PARAMS_STRUCT)
         return dq, dk, dv

@@ -14,6 +14,7 @@
 #include <initializer_list>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <tuple>
 #include <string>
 #include <type_traits>
@@ -36,6 +37,27 @@ using torch::autograd::variable_list;
 
 namespace {
 
+// ---- Errors ------------------------------------------------------------------------------------------------
+
+// This file's errors reach Python as RuntimeError through a pybind11 exception type (as pybind11's own cast errors
+// do), with the message built by std::string alone. On the H200 (torch 2.11, g++ 13) TORCH_CHECK's c10::Error and
+// a plain std::runtime_error with a c10::str message, thrown by this extension's code, both killed the process as
+// they crossed into Python, where a pybind11 cast error from the same code arrived as a Python error.
+struct HostError : py::builtin_exception {
+  using py::builtin_exception::builtin_exception;
+  void set_error() const override { PyErr_SetString(PyExc_RuntimeError, what()); }
+};
+
+inline std::string text(const char* s) { return s; }
+inline std::string text(const std::string& s) { return s; }
+template <class Number, class = std::enable_if_t<std::is_arithmetic_v<Number>>>
+std::string text(Number n) { return std::to_string(n); }
+
+template <class... Parts>
+void require(bool condition, const Parts&... parts) {
+  if (!condition) throw HostError((std::string() + ... + text(parts)));
+}
+
 // ---- The driver: three entry points of the libcuda torch has loaded -------------------------------------
 
 using CUresult = int;
@@ -51,14 +73,14 @@ struct Driver {
 
 void* driver_symbol(void* library, const char* name) {
   void* symbol = dlsym(library, name);
-  TORCH_CHECK(symbol != nullptr, "flashtile: libcuda.so.1 has no ", name);
+  require(symbol != nullptr, "flashtile: libcuda.so.1 has no ", name);
   return symbol;
 }
 
 const Driver& driver() {
   static const Driver entry_points = [] {
     void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    TORCH_CHECK(library != nullptr, "flashtile: cannot open libcuda.so.1: ", dlerror());
+    require(library != nullptr, "flashtile: cannot open libcuda.so.1: ", dlerror());
     Driver d;
     d.launch_kernel = reinterpret_cast<decltype(d.launch_kernel)>(driver_symbol(library, "cuLaunchKernel"));
     d.ctx_set_current = reinterpret_cast<decltype(d.ctx_set_current)>(driver_symbol(library, "cuCtxSetCurrent"));
@@ -72,7 +94,7 @@ void check(CUresult result, const char* what) {
   if (result == kSuccess) return;
   const char* name = nullptr;
   driver().get_error_name(result, &name);
-  TORCH_CHECK(false, what, " failed: ", name ? name : "unknown error", " (", result, ")");
+  require(false, what, " failed: ", name ? name : "unknown error", " (", result, ")");
 }
 
 // ---- A plan's launches ----------------------------------------------------------------------------------
@@ -93,16 +115,6 @@ struct Launches {
   std::string params;  // the packed struct, its address fields zero
   void* context;       // the device's primary context: made current where a thread has none
 
-  Launches(const py::list& launch_steps, py::bytes packed, uintptr_t primary_context)
-      : params(packed), context(reinterpret_cast<void*>(primary_context)) {
-    TORCH_CHECK(params.size() <= kParamsCapacity, "flashtile: params struct of ", params.size(), " bytes");
-    for (const auto& item : launch_steps) {
-      auto t = item.cast<std::tuple<uintptr_t, unsigned, unsigned, unsigned, unsigned, unsigned>>();
-      steps.push_back(Step{reinterpret_cast<void*>(std::get<0>(t)), {std::get<1>(t), std::get<2>(t), std::get<3>(t)},
-                           std::get<4>(t), std::get<5>(t)});
-    }
-  }
-
   // Queue steps [first, last) on `stream`, all reading the struct at `struct_bytes` (and the maps, if any).
   void run(size_t first, size_t last, void* struct_bytes, void* maps, void* stream) const {
     void* argv[2] = {struct_bytes, maps};
@@ -121,6 +133,21 @@ struct Launches {
     }
   }
 };
+
+// A plan's launches from what Python hands over, checked here and not in a constructor: an exception thrown out of
+// a bound constructor killed the process on the H200 (torch 2.11's pybind11 built by g++ 13), where the same
+// exception out of a bound function raises a Python error.
+Launches launches_of(const py::list& launch_steps, py::bytes packed, uintptr_t primary_context) {
+  Launches launches{{}, std::string(packed), reinterpret_cast<void*>(primary_context)};
+  require(launches.params.size() <= kParamsCapacity, "flashtile: params struct of ", launches.params.size(),
+              " bytes");
+  for (const auto& item : launch_steps) {
+    auto t = item.cast<std::tuple<uintptr_t, unsigned, unsigned, unsigned, unsigned, unsigned>>();
+    launches.steps.push_back(Step{reinterpret_cast<void*>(std::get<0>(t)),
+                                  {std::get<1>(t), std::get<2>(t), std::get<3>(t)}, std::get<4>(t), std::get<5>(t)});
+  }
+  return launches;
+}
 
 constexpr size_t kAddressBytes = 8;
 
@@ -159,16 +186,24 @@ void* current_stream(const at::Device& device) {
 constexpr uintptr_t kAlignBytes = 16;        // plans.ALIGN_BYTES: the kernels' vector loads
 constexpr int64_t kScratchAlignFloats = 64;  // plans.SCRATCH_ALIGN_FLOATS
 
+// A tensor's address at one of its heads (dimension -2): a head group's operand.
+uint64_t head_address(const at::Tensor& t, int64_t head) {
+  return reinterpret_cast<uint64_t>(t.data_ptr()) + static_cast<uint64_t>(head * t.stride(-2) * t.element_size());
+}
+
 struct Backward {
   Launches launches;
   size_t bwd_addresses;  // byte offset of BwdParams' own address fields (dO first)
   std::vector<int64_t> dout_stride;
-  int64_t lse_floats, accum_floats, semaphore_ints;
+  int64_t lse_floats, accum_floats, semaphore_ints;          // a head group's
+  int64_t groups, q_heads, kv_heads, lse_head_dim;           // plans.HeadGroups
 
-  Backward(const py::list& steps, py::bytes packed, uintptr_t context, size_t bwd_addresses,
-           std::vector<int64_t> dout_stride, int64_t lse_floats, int64_t accum_floats, int64_t semaphore_ints)
-      : launches(steps, packed, context), bwd_addresses(bwd_addresses), dout_stride(std::move(dout_stride)),
-        lse_floats(lse_floats), accum_floats(accum_floats), semaphore_ints(semaphore_ints) {}
+  Backward(Launches launches, size_t bwd_addresses, std::vector<int64_t> dout_stride, int64_t lse_floats,
+           int64_t accum_floats, int64_t semaphore_ints, int64_t groups, int64_t q_heads, int64_t kv_heads,
+           int64_t lse_head_dim)
+      : launches(std::move(launches)), bwd_addresses(bwd_addresses), dout_stride(std::move(dout_stride)),
+        lse_floats(lse_floats), accum_floats(accum_floats), semaphore_ints(semaphore_ints), groups(groups),
+        q_heads(q_heads), kv_heads(kv_heads), lse_head_dim(lse_head_dim) {}
 
   std::tuple<at::Tensor, at::Tensor, at::Tensor> run(at::Tensor dout, const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& v, const at::Tensor& o,
@@ -182,26 +217,37 @@ struct Backward {
     const int64_t accum_at = (2 * lse_floats + kScratchAlignFloats - 1) / kScratchAlignFloats * kScratchAlignFloats;
     at::Tensor scratch = at::empty({accum_at + accum_floats}, q.options().dtype(at::kFloat));
     at::Tensor semaphore =
-        semaphore_ints ? at::zeros({semaphore_ints}, q.options().dtype(at::kInt)) : at::Tensor();
+        semaphore_ints ? at::zeros({groups * semaphore_ints}, q.options().dtype(at::kInt)) : at::Tensor();
     const auto base = reinterpret_cast<uint64_t>(scratch.data_ptr());
-    ParamsBuffer buffer;
-    std::memcpy(buffer.bytes, launches.params.data(), launches.params.size());
-    put_operands(buffer, q, k, v, o, lse);
-    const std::array<uint64_t, 8> own = {
-        reinterpret_cast<uint64_t>(dout.data_ptr()), reinterpret_cast<uint64_t>(dq.data_ptr()),
-        reinterpret_cast<uint64_t>(dk.data_ptr()),   reinterpret_cast<uint64_t>(dv.data_ptr()),
-        base + accum_at * sizeof(float),             base,
-        base + lse_floats * sizeof(float),
-        semaphore.defined() ? reinterpret_cast<uint64_t>(semaphore.data_ptr()) : 0};
-    std::memcpy(buffer.bytes + bwd_addresses, own.data(), sizeof(own));
     void* stream = current_stream(q.device());
     const size_t steps = launches.steps.size();
-    if (!dlse.defined()) {
-      launches.run(0, steps, buffer.bytes, nullptr, stream);
-    } else {  // the preprocess writes D; the LSE's gradient enters as D - dLSE
-      launches.run(0, 1, buffer.bytes, nullptr, stream);
-      scratch.narrow(0, 0, lse_floats).view(lse.sizes()).sub_(dlse);
-      launches.run(1, steps, buffer.bytes, nullptr, stream);
+    // The groups run one after the other on the stream: they share the scratch buffer (plans.BwdPlan.run).
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t q_head = g * q_heads, kv_head = g * kv_heads;
+      at::Tensor lse_part = lse, dlse_part = dlse;
+      if (groups > 1) {
+        lse_part = lse.narrow(lse_head_dim, q_head, q_heads).contiguous();
+        if (dlse.defined()) dlse_part = dlse.narrow(lse_head_dim, q_head, q_heads);
+      }
+      ParamsBuffer buffer;
+      std::memcpy(buffer.bytes, launches.params.data(), launches.params.size());
+      const std::array<uint64_t, 5> operands = {head_address(q, q_head), head_address(k, kv_head),
+                                                head_address(v, kv_head), head_address(o, q_head),
+                                                reinterpret_cast<uint64_t>(lse_part.data_ptr())};
+      std::memcpy(buffer.bytes, operands.data(), sizeof(operands));
+      const std::array<uint64_t, 8> own = {
+          head_address(dout, q_head), head_address(dq, q_head), head_address(dk, kv_head), head_address(dv, kv_head),
+          base + accum_at * sizeof(float), base, base + lse_floats * sizeof(float),
+          semaphore.defined() ? reinterpret_cast<uint64_t>(semaphore.data_ptr()) + g * semaphore_ints * sizeof(int)
+                              : 0};
+      std::memcpy(buffer.bytes + bwd_addresses, own.data(), sizeof(own));
+      if (!dlse_part.defined()) {
+        launches.run(0, steps, buffer.bytes, nullptr, stream);
+      } else {  // the preprocess writes D; the LSE's gradient enters as D - dLSE
+        launches.run(0, 1, buffer.bytes, nullptr, stream);
+        scratch.narrow(0, 0, lse_floats).view(lse_part.sizes()).sub_(dlse_part);
+        launches.run(1, steps, buffer.bytes, nullptr, stream);
+      }
     }
     return {dq, dk, dv};
   }
@@ -271,9 +317,9 @@ struct Forward {
   std::unordered_map<std::pair<uint64_t, uint64_t>, std::array<char, kMapsBytes + kMapsAlign>, PairHash> maps;
   std::shared_ptr<const Backward> backward;
 
-  Forward(const py::list& steps, py::bytes packed, uintptr_t context, std::vector<int64_t> out_shape,
-          std::vector<int64_t> lse_shape, py::object make_maps, std::shared_ptr<Backward> backward)
-      : launches(steps, packed, context), out_shape(std::move(out_shape)), lse_shape(std::move(lse_shape)),
+  Forward(Launches launches, std::vector<int64_t> out_shape, std::vector<int64_t> lse_shape, py::object make_maps,
+          std::shared_ptr<Backward> backward)
+      : launches(std::move(launches)), out_shape(std::move(out_shape)), lse_shape(std::move(lse_shape)),
         make_maps(std::move(make_maps)), backward(std::move(backward)) {}
 
   void* maps_for(const at::Tensor& k, const at::Tensor& v) {
@@ -282,7 +328,7 @@ struct Forward {
     auto found = maps.find(key);
     if (found == maps.end()) {
       std::string bytes = make_maps(k, v).cast<std::string>();
-      TORCH_CHECK(bytes.size() == kMapsBytes, "flashtile: tensor maps of ", bytes.size(), " bytes");
+      require(bytes.size() == kMapsBytes, "flashtile: tensor maps of ", bytes.size(), " bytes");
       if (maps.size() >= kMaxKeptMaps) maps.clear();
       found = maps.emplace(key, std::array<char, kMapsBytes + kMapsAlign>{}).first;
       std::memcpy(aligned(found->second), bytes.data(), kMapsBytes);
@@ -309,7 +355,7 @@ struct Forward {
 
   // The forward as training calls it: (out, lse) with the node whose backward runs the backward plan.
   std::pair<at::Tensor, at::Tensor> train(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    TORCH_CHECK(backward != nullptr && !lse_shape.empty(), "flashtile: this call was planned without gradients");
+    require(backward != nullptr && !lse_shape.empty(), "flashtile: this call was planned without gradients");
     auto [o, lse] = [&] {
       at::AutoGradMode off(false);
       return run(q, k, v);
@@ -377,13 +423,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_backward", &cpu_backward);
   m.def("all_finite", &all_finite);
   m.def("set_poison", [](bool on) { poison_outputs = on; });
-  py::class_<Backward, std::shared_ptr<Backward>>(m, "Backward")
-      .def(py::init<const py::list&, py::bytes, uintptr_t, size_t, std::vector<int64_t>, int64_t, int64_t,
-                    int64_t>())
-      .def("run", &Backward::run);
-  py::class_<Forward, std::shared_ptr<Forward>>(m, "Forward")
-      .def(py::init<const py::list&, py::bytes, uintptr_t, std::vector<int64_t>, std::vector<int64_t>, py::object,
-                    std::shared_ptr<Backward>>())
-      .def("run", &Forward::run)
-      .def("train", &Forward::train);
+  py::class_<Backward, std::shared_ptr<Backward>>(m, "Backward").def("run", &Backward::run);
+  py::class_<Forward, std::shared_ptr<Forward>>(m, "Forward").def("run", &Forward::run).def("train", &Forward::train);
+  // Built by functions, not bound constructors: see launches_of.
+  m.def("make_backward", [](const py::list& steps, py::bytes packed, uintptr_t context, size_t bwd_addresses,
+                            std::vector<int64_t> dout_stride, int64_t lse_floats, int64_t accum_floats,
+                            int64_t semaphore_ints, int64_t groups, int64_t q_heads, int64_t kv_heads,
+                            int64_t lse_head_dim) {
+    return std::make_shared<Backward>(launches_of(steps, packed, context), bwd_addresses, std::move(dout_stride),
+                                      lse_floats, accum_floats, semaphore_ints, groups, q_heads, kv_heads,
+                                      lse_head_dim);
+  });
+  m.def("make_forward", [](const py::list& steps, py::bytes packed, uintptr_t context, std::vector<int64_t> out_shape,
+                           std::vector<int64_t> lse_shape, py::object make_maps, std::shared_ptr<Backward> backward) {
+    return std::make_shared<Forward>(launches_of(steps, packed, context), std::move(out_shape), std::move(lse_shape),
+                                     std::move(make_maps), std::move(backward));
+  });
 }
