@@ -27,7 +27,7 @@ def _leaves(requires_grad: bool):
 
 def per_call_table() -> dict:
     """Wall microseconds per call: forward with inputs that require grad, forward + backward, forward under
-    no_grad; flashtile and sdpa-flash on the same inputs."""
+    no_grad; flashtile and sdpa-flash on the same inputs, timed in turns (measure.host_overhead_us)."""
     q, k, v = _leaves(True)
     dout = torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16)
     qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
@@ -52,10 +52,9 @@ def per_call_table() -> dict:
         for name, fns in (("forward, inputs require grad", (ours, theirs)),
                           ("forward + backward", (lambda: ours().backward(dout), lambda: theirs().backward(doutt))),
                           ("forward under no_grad", (ours_no_grad, theirs_no_grad))):
-            rows[name] = {label: measure.host_overhead_us(fn, calls=CALLS)
-                          for label, fn in zip(("flashtile", "sdpa-flash"), fns)}
+            rows[name] = measure.host_overhead_us(dict(zip(("flashtile", "sdpa-flash"), fns)), calls=CALLS)
             with host.python_path():  # the same calls planned anew on the Python path
-                rows[name]["flashtile, Python path"] = measure.host_overhead_us(fns[0], calls=CALLS)
+                rows[name]["flashtile, Python path"] = measure.host_overhead_us({0: fns[0]}, calls=CALLS)[0]
     return rows
 
 
@@ -83,6 +82,7 @@ def pieces() -> dict:
     argv = args.argv_address if plan.kv_box is None else args.argv2_address
     stream = torch.cuda.current_stream().cuda_stream
     allocating = _AllocatingCall()
+    node = flashtile.attention(q, k, v, causal=True).grad_fn  # the C++ node where the host path is built
 
     def one_launch():
         driver.cuLaunchKernel(step.kernel.function, *step.grid, step.threads, 1, 1, step.smem, stream, argv, 0)
@@ -96,6 +96,7 @@ def pieces() -> dict:
         "one launch (cuda.bindings' cuLaunchKernel)": one_launch,
         "the autograd node over a call that only allocates": lambda: ops.attention(q, k, v, allocating),
         "BwdPlan.run (allocate, pack, 3 launches)": lambda: call.backward(dout, q, k, v, out, lse),
+        "the host path's backward node, called directly": lambda: node(dout, None),
         "torch.empty_like": lambda: torch.empty_like(q),
         "torch.add (a small torch op)": lambda: torch.add(q, q),
     }
@@ -120,7 +121,7 @@ def main() -> None:
     for name, row in table.items():
         print(f"{name:<32} " + " ".join(f"{row[c]:>24.1f}" for c in columns))
     print()
-    parts = {name: measure.host_overhead_us(fn, calls=CALLS) for name, fn in pieces().items()}
+    parts = measure.host_overhead_us(pieces(), calls=CALLS)
     for name, us in parts.items():
         print(f"{name:<45} {us:7.2f} us")
     if args.out:

@@ -99,9 +99,11 @@ def runtime_costs(dtype: torch.dtype) -> dict:
         cached = jit.compile_spec(spec)                  # from the entry the cold compile just wrote
         assert cached.origin == "disk", cached.origin
     jit.clear_memo()
-    overhead = measure.host_overhead_us(lambda: api.attention(*small))
-    # The same host's cost of a small torch op: host speed varies between machines and hours (torch.add
-    # measured 6.9 and 11.6 us on the same kind of H200 host on one day), so the overhead is read beside it.
-    torch_op = measure.host_overhead_us(lambda: torch.add(small[0], small[0]))
+    # The same host's cost of a small torch op, timed in turns with it: host speed varies between machines and
+    # hours (torch.add measured 6.9 and 11.6 us on the same kind of H200 host on one day), so the overhead is read
+    # beside it.
+    times = measure.host_overhead_us({"flashtile": lambda: api.attention(*small),
+                                      "torch.add": lambda: torch.add(small[0], small[0])})
+    overhead, torch_op = times["flashtile"], times["torch.add"]
     return {"spec": spec.name, "cold_compile_s": cold, "cached_load_ms": cached.seconds * 1e3,
             "host_overhead_us": overhead, "overhead_shape": "1x128x4x64", "torch_op_us": torch_op}

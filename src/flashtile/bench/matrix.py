@@ -22,7 +22,6 @@ TOKENS = 16384
 MODEL_WIDTH = 2048
 MATH_MAX_SEQLEN = 4096  # sdpa-math materialises seqlen^2 scores per head: skipped beyond this, as in TARGETS.md
 KERNELS = ("flashtile", *peers.SDPA_BACKENDS)
-PASSES = ("fwd (train)", "fwd (no_grad)", "bwd")
 TRAIN_GAP_LIMIT = 0.03  # the training forward may be this much slower than the inference forward (host costs)
 
 
@@ -60,24 +59,32 @@ def _runner(name: str, q, k, v, causal: bool, pass_: str):
     return peers.backward_runner(lambda: api.attention(*leaves, causal=causal), leaves)
 
 
+# Passes timed in one set of rounds, taking turns: the training and inference forwards of every kernel, so that a
+# drift of the GPU's clocks over the minutes a row takes falls on both alike (the train gap compares them).
+TIMED_TOGETHER = (("fwd (train)", "fwd (no_grad)"), ("bwd",))
+
+
 def run(dtype=torch.bfloat16, reps: int = 30, progress=None) -> dict:
     doc = {"kind": "matrix", "dtype": str(dtype).removeprefix("torch."), "rows": []}
     g = torch.Generator(device="cuda").manual_seed(time.time_ns() % 2**63)
     for d, n, batch, heads, causal in standard_shapes():
         q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=dtype, generator=g) for _ in range(3))
-        for pass_ in PASSES:
-            flops = measure.attention_flops(batch, heads, n, n, d, causal=causal, backward=pass_ == "bwd")
-            row = {"d": d, "n": n, "b": batch, "h": heads, "causal": causal, "pass": pass_, "tflops": {}}
-            makers = {name: partial(_runner, name, q, k, v, causal, pass_) for name in KERNELS}
-            for name, ms in measure.time_rounds(makers, reps=reps).items():
-                row["tflops"][name] = flops / ms / 1e9 if ms else None
-            flash, ours = row["tflops"]["sdpa-flash"], row["tflops"]["flashtile"]
-            peer_values = [t for name, t in row["tflops"].items() if name != "flashtile" and t]
-            row["vs_flash"] = ours / flash if flash and ours else None
-            row["vs_best"] = ours / max(peer_values) if peer_values and ours else None
-            doc["rows"].append(row)
-            if progress:
-                progress(row)
+        for passes in TIMED_TOGETHER:
+            makers = {(name, pass_): partial(_runner, name, q, k, v, causal, pass_)
+                      for pass_ in passes for name in KERNELS}
+            times = measure.time_rounds(makers, reps=reps)
+            for pass_ in passes:
+                flops = measure.attention_flops(batch, heads, n, n, d, causal=causal, backward=pass_ == "bwd")
+                row = {"d": d, "n": n, "b": batch, "h": heads, "causal": causal, "pass": pass_,
+                       "tflops": {name: flops / times[name, pass_] / 1e9 if times[name, pass_] else None
+                                  for name in KERNELS}}
+                flash, ours = row["tflops"]["sdpa-flash"], row["tflops"]["flashtile"]
+                peer_values = [t for name, t in row["tflops"].items() if name != "flashtile" and t]
+                row["vs_flash"] = ours / flash if flash and ours else None
+                row["vs_best"] = ours / max(peer_values) if peer_values and ours else None
+                doc["rows"].append(row)
+                if progress:
+                    progress(row)
     doc["training"] = training_checks(dtype, reps)
     doc["train_gap"] = train_gap(doc["rows"])
     return doc

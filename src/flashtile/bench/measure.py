@@ -65,27 +65,31 @@ def time_cpu(fns: dict[Hashable, Callable[[], object]], reps: int = 5, warmup: i
 
 
 HOST_TIMING_BATCH = 200  # calls per timed batch: well under the driver's ~1024 pending launches
+HOST_WARMUP_CALLS = 50
 
 
-def host_overhead_us(fn: Callable[[], object], calls: int = 2000) -> float:
-    """Host microseconds per call of `fn`: launch cost, not kernel time.
+def host_overhead_us(fns: dict[Hashable, Callable[[], object]], calls: int = 2000) -> dict[Hashable, float]:
+    """Host microseconds per call of each callable: launch cost, not kernel time.
 
-    Calls are timed in batches of HOST_TIMING_BATCH with the GPU drained between batches: a batch fits in
-    the driver's queue of pending launches (about 1024), so a kernel slower than its launch never makes the
-    host wait inside the timed stretch (with one long run the queue fills and the host then waits for the GPU:
-    the measurement becomes the kernel's time)."""
-    for _ in range(50):
-        fn()
-    batches = max(1, calls // HOST_TIMING_BATCH)
-    elapsed = 0.0
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(HOST_TIMING_BATCH):
+    Calls are timed in batches of HOST_TIMING_BATCH with the GPU drained before each batch: a batch fits in the
+    driver's queue of pending launches (about 1024), so a kernel slower than its launch never makes the host wait
+    inside the timed stretch (with one long run the queue fills and the host then waits for the GPU: the
+    measurement becomes the kernel's time). The callables take turns, a batch each per round, every other round
+    in reverse order, and each reports its median batch: the host's speed drifts by 10-20% within a minute on a
+    shared machine (docs/notes.md), and a comparison must not rest on which callable met which stretch."""
+    for fn in fns.values():
+        for _ in range(HOST_WARMUP_CALLS):
             fn()
-        elapsed += time.perf_counter() - start
+    samples: dict[Hashable, list[float]] = {name: [] for name in fns}
+    for round_ in range(max(1, calls // HOST_TIMING_BATCH)):
+        for name, fn in (list(fns.items()) if round_ % 2 == 0 else list(reversed(fns.items()))):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(HOST_TIMING_BATCH):
+                fn()
+            samples[name].append((time.perf_counter() - start) / HOST_TIMING_BATCH * 1e6)
     torch.cuda.synchronize()
-    return elapsed / (batches * HOST_TIMING_BATCH) * 1e6
+    return {name: statistics.median(batch) for name, batch in samples.items()}
 
 
 # A median of 30 runs still dips by up to ~8% now and then on the H200 (docs/notes.md, session six): comparisons
