@@ -177,6 +177,52 @@ def test_the_cpu_kernel_call_matches_the_python_path_bitwise(monkeypatch, case):
 
 
 @needs_build
+@pytest.mark.parametrize("case", CPU_CASES, ids=[str(c[:7]) + str(c[7])[6:] for c in CPU_CASES])
+def test_cpu_training_calls_record_the_cpu_node_and_match_the_python_path(monkeypatch, case):
+    """A training call whose LSE is not returned records the C++ node (its backward calls the kernel's backward
+    with no second finite check); one whose LSE is returned keeps ops.Attention, where dLSE has a path. Both give
+    what the Python path gives, bit for bit."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    leaves = _cpu_leaves(case)
+    dout = torch.randn(*leaves[0].shape, dtype=torch.float32).to(case[7])
+    api._calls.clear()
+    out = flashtile.attention(*leaves, causal=case[6])
+    assert out.grad_fn.name() == "flashtile::CpuAttentionBackward"
+    ours = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+    out_with_lse, _ = flashtile.attention(*leaves, causal=case[6], return_lse=True)
+    assert out_with_lse.grad_fn.name() != "flashtile::CpuAttentionBackward"
+    with host.python_path():
+        out = flashtile.attention(*leaves, causal=case[6])
+        theirs = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+@needs_build
+@pytest.mark.parametrize("where, value", [("q", float("nan")), ("k", float("nan")), ("q", float("inf")),
+                                          ("q", float("-inf")), ("v", float("nan")), ("v", float("inf"))])
+def test_a_nonfinite_training_input_leaves_the_cpu_node_to_the_python_rules(monkeypatch, where, value):
+    """The C++ call checks v, then the LSE the kernel wrote (a NaN or Inf in q or k shows in the LSE of every row
+    that reads it): each kind goes to the general path, whose outputs and gradients the Python path matches."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    case = CPU_CASES[0]
+    leaves = [t.detach() for t in _cpu_leaves(case)]
+    target = leaves["qkv".index(where)]
+    target[0, 9, 1].fill_(value)
+    leaves = [t.requires_grad_() for t in leaves]
+    dout = torch.randn(*leaves[0].shape)
+    out = flashtile.attention(*leaves, causal=True)
+    assert out.grad_fn.name() != "flashtile::CpuAttentionBackward"
+    assert out.isnan().any()
+    ours = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+    with host.python_path():
+        out = flashtile.attention(*leaves, causal=True)
+        theirs = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_build
 def test_a_nonfinite_input_leaves_the_cpu_kernel_call_to_the_python_rules(monkeypatch):
     """torch's kernel cannot show a NaN: the C++ call returns None and the general path's rules decide (the rows
     that read the NaN are NaN, the others exact)."""

@@ -260,11 +260,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
     kept = call
     if call is None:
         cpu_kernel = host.cpu_kernel_of(problem) if q.is_cpu and rung == "auto" else None
-        call = dispatch.GeneralCall(problem, deterministic, rung, cpu_kernel)
+        call = dispatch.GeneralCall(problem, deterministic, rung, cpu_kernel, return_lse)
         # The CPU's general call is kept too, without this call's operands; on CUDA a general call may only mean
         # that these operands were misaligned, and the next call's may not be.
         kept = None if q.is_cuda else dispatch.GeneralCall(problem.on(None, None, None), deterministic, rung,
-                                                           cpu_kernel)
+                                                           cpu_kernel, return_lse)
     if key is not None and kept is not None:
         if len(_calls) >= MAX_CALLS:
             _calls.clear()

@@ -166,15 +166,17 @@ class GeneralCall:
     """A call the general path serves (the CPU's, and CUDA calls no plan takes): the checked problem's options;
     each run brings its own q, k, v."""
 
-    __slots__ = ("problem", "deterministic", "rung", "cpu_kernel")
-    host = None  # no C++ autograd node: ops.Attention runs the general path's backward
+    __slots__ = ("problem", "deterministic", "rung", "cpu_kernel", "host")
 
-    def __init__(self, problem: FwdProblem, deterministic: bool, rung="auto", cpu_kernel=None):
+    def __init__(self, problem: FwdProblem, deterministic: bool, rung="auto", cpu_kernel=None, lse_returned=False):
         self.problem = problem
         self.deterministic = deterministic
         self.rung = rung
         # On the CPU, host.cpu_kernel_of's C++ calls of torch's kernel where it serves; None: the Python path.
         self.cpu_kernel = cpu_kernel
+        # The C++ node in training (ops.attention), where the LSE is not returned: its gradient has no path through
+        # the kernel. None: ops.Attention runs this call's backward.
+        self.host = cpu_kernel if cpu_kernel is not None and not lse_returned else None
 
     @staticmethod
     def serves(q, k, v) -> bool:
@@ -184,14 +186,14 @@ class GeneralCall:
 
     def forward(self, q, k, v):
         if self.cpu_kernel is not None:
-            result = self.cpu_kernel[0](q, k, v)
+            result = self.cpu_kernel.forward(q, k, v)
             if result is not None:  # None: an input holds a NaN or an Inf, which the Python path's rules take
                 return result
         return forward(self.problem.on(q, k, v), self.rung)
 
     def backward(self, dout, q, k, v, out, lse, dlse=None):
         if self.cpu_kernel is not None and dlse is None:  # the kernel derives D from out alone: no dLSE term
-            result = self.cpu_kernel[1](dout, q, k, v, out, lse)
+            result = self.cpu_kernel.backward(dout, q, k, v, out, lse)
             if result is not None:
                 return result
         return backward(self.problem.on(q, k, v), out, lse, dout, self.deterministic, dlse)

@@ -27,7 +27,7 @@ import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from filelock import FileLock
@@ -211,11 +211,19 @@ def forward_of(plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device:
                                list(plan.out_shape or ()), list(plan.lse_shape or ()), make_maps, backward)
 
 
-def cpu_kernel_of(problem) -> tuple[Callable, Callable] | None:
+class CpuKernel(NamedTuple):
+    """The C++ calls of torch's CPU kernel for one problem's options; each returns None when an input is not
+    finite (the general path's rules then serve)."""
+
+    forward: Callable    # (q, k, v) -> (out, lse)
+    backward: Callable   # (dout, q, k, v, out, lse) -> (dq, dk, dv)
+    train: Callable      # (q, k, v) -> (out, lse), out carrying the C++ node whose backward is the kernel's
+
+
+def cpu_kernel_of(problem) -> CpuKernel | None:
     """The C++ calls of torch's CPU kernel for a CPU problem it computes as flashtile defines it (square under a
-    causal mask): `forward(q, k, v) -> (out, lse)` and `backward(dout, q, k, v, out, lse) -> (dq, dk, dv)`, each
-    None when an input is not finite (the general path's rules then serve). None where the general path serves
-    every call: no extension, or the kernel does not serve the problem."""
+    causal mask), or None where the general path serves every call: no extension, or the kernel does not serve
+    the problem."""
     q, k, v = problem.q, problem.k, problem.v
     left, right = problem.window
     if problem.varlen or not cpu_kernel.serves(q, k, v, left, right, problem.softcap, problem.alibi_slopes):
@@ -226,5 +234,6 @@ def cpu_kernel_of(problem) -> tuple[Callable, Callable] | None:
     if module is None:
         return None
     scale, causal = problem.scale, right == 0
-    return (lambda q, k, v: module.cpu_forward(q, k, v, scale, causal),
-            lambda dout, q, k, v, out, lse: module.cpu_backward(dout, q, k, v, out, lse, scale, causal))
+    return CpuKernel(lambda q, k, v: module.cpu_forward(q, k, v, scale, causal),
+                     lambda dout, q, k, v, out, lse: module.cpu_backward(dout, q, k, v, out, lse, scale, causal),
+                     lambda q, k, v: module.cpu_train(q, k, v, scale, causal))

@@ -66,11 +66,14 @@ _apply = super(torch.autograd.Function, Attention).apply
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, call) -> tuple[Tensor, Tensor]:
-    """Attention.apply(q, k, v, call), or the same node built in C++ where the call has a host path (host.py)."""
+    """Attention.apply(q, k, v, call), or the same node built in C++ where the call has a host path (host.py: a
+    planned CUDA call, or torch's CPU kernel)."""
     if torch._C._are_functorch_transforms_active():
         return Attention.apply(q, k, v, call)
     if call.host is not None:
-        return call.host.train(q, k, v)
+        result = call.host.train(q, k, v)
+        if result is not None:  # None: a CPU input is not finite, and ops.Attention applies the general rules
+            return result
     return _apply(q, k, v, call)
 
 

@@ -262,6 +262,13 @@ constexpr const char* kTwiceMessage =
     "trying to differentiate twice a function that was marked with @once_differentiable (flashtile's attention "
     "backward is not itself differentiable)";
 
+// backward(create_graph=True): the gradients join the graph through a node that refuses a second backward.
+variable_list refused_twice(variable_list grads) {
+  for (auto& g : grads) g = g.detach().requires_grad_(true);
+  torch::autograd::DelayedError refusal(kTwiceMessage, static_cast<int64_t>(grads.size()));
+  return refusal.apply(std::move(grads));
+}
+
 struct AttentionBackward : torch::autograd::Node {
   std::shared_ptr<const Backward> plan;
   SavedVariable q, k, v, out, lse;  // out and lse saved detached: this node's own outputs would form a cycle
@@ -279,12 +286,7 @@ struct AttentionBackward : torch::autograd::Node {
       at::AutoGradMode off(false);
       return plan->run(dout, q_, k_, v_, out_, lse_, dlse);
     }();
-    variable_list result = {dq, dk, dv};
-    if (!recorded) return result;
-    // backward(create_graph=True): the gradients join the graph through a node that refuses a second backward.
-    for (auto& g : result) g = g.detach().requires_grad_(true);
-    torch::autograd::DelayedError refusal(kTwiceMessage, static_cast<int64_t>(result.size()));
-    return refusal.apply(std::move(result));
+    return recorded ? refused_twice({dq, dk, dv}) : variable_list{dq, dk, dv};
   }
 
   void release_variables() override {
@@ -377,43 +379,102 @@ struct Forward {
 
 // ---- The CPU's kernel call (dispatch.GeneralCall, cpu_kernel.forward's square case) ------------------------------
 
-// No NaN or Inf in q, k and v, by reference._all_finite's test: the sum of their sums (fp32, fp64 for fp64) is
-// finite. An overflow is only a false alarm, which sends the call to the Python path: slower, never wrong.
+// Whether a tensor holds no NaN or Inf, by reference._all_finite's test: its sum (fp32, fp64 for fp64) is finite.
+// An overflow is only a false alarm, which sends the call to the Python path: slower, never wrong.
+bool finite(const at::Tensor& t) {
+  return std::isfinite(t.sum(t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).item<double>());
+}
+
 bool all_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  double total = 0.0;
-  for (const at::Tensor* t : {&q, &k, &v}) {
-    const auto accumulator = t->scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    total += t->sum(accumulator).item<double>();
-  }
-  return std::isfinite(total);
+  return finite(q) && finite(k) && finite(v);
 }
 
 // torch's CPU FlashAttention kernel on (b, s, h, d) operands where it computes flashtile's definition (no softcap,
 // ALiBi or window; causal only when seqlen_q == seqlen_k: the caller decides), as cpu_kernel.forward returns it:
-// contiguous (b, s_q, h_q, d) and an fp32 (b, h_q, s_q) LSE. None when an input holds a NaN or an Inf: the kernel's
-// outputs cannot show them, and the Python path applies flashtile's rules.
+// contiguous (b, s_q, h_q, d) and an fp32 (b, h_q, s_q) LSE. None when an input holds a NaN or an Inf, which the
+// kernel's outputs cannot show as flashtile's rules want: the Python path then applies them. A NaN or Inf in v
+// reaches no LSE, so v is checked itself; one in q or k reaches the LSE of every row that reads it (the kernel
+// writes 0 and an LSE of -inf there, or NaN), and every row of the problems served here reads a key, so a
+// non-finite LSE marks it. (An Inf in k that only meets queries of the opposite sign is a key of weight 0, as
+// IEEE arithmetic has it on every path.) The LSE holds a d-th of q's elements: cheaper than checking q and k.
 std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& q, const at::Tensor& k,
                                                                const at::Tensor& v, double scale, bool causal) {
-  if (!all_finite(q, k, v)) return std::nullopt;
+  if (!finite(v)) return std::nullopt;
   auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q.transpose(1, 2), k.transpose(1, 2),
                                                                      v.transpose(1, 2), 0.0, causal, std::nullopt,
                                                                      scale);
-  return std::make_tuple(out.transpose(1, 2).contiguous(), lse.to(at::kFloat).contiguous());
+  at::Tensor lse32 = lse.to(at::kFloat).contiguous();
+  if (!finite(lse32)) return std::nullopt;
+  return std::make_tuple(out.transpose(1, 2).contiguous(), lse32);
 }
 
-// Its backward for what cpu_forward returned (cpu_kernel.backward's square case): contiguous (dq, dk, dv) shaped
-// like q, k, v; None when q, k or v is not finite.
-std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> cpu_backward(
-    at::Tensor dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, double scale, bool causal) {
-  if (!all_finite(q, k, v)) return std::nullopt;
+// The kernel's backward for what cpu_forward returned: contiguous (dq, dk, dv) shaped like q, k, v.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(at::Tensor dout, const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v, const at::Tensor& out,
+                                                               const at::Tensor& lse, double scale, bool causal) {
   if (dout.stride(-1) != 1) dout = dout.contiguous();
   const at::Tensor lse_accum = lse.to(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
       dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse_accum,
       0.0, causal, std::nullopt, scale);
-  return std::make_tuple(dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(),
-                         dv.transpose(1, 2).contiguous());
+  return {dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(), dv.transpose(1, 2).contiguous()};
+}
+
+// cpu_kernel.backward's square case, for ops.Attention's node: None when q, k or v is not finite (that node does
+// not know which path its forward took).
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> cpu_backward(
+    at::Tensor dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double scale, bool causal) {
+  if (!all_finite(q, k, v)) return std::nullopt;
+  return kernel_backward(std::move(dout), q, k, v, out, lse, scale, causal);
+}
+
+// The node of a CPU kernel call in training: recorded only after cpu_forward took the kernel, so its backward
+// takes it too. Its one output is out: calls whose LSE is returned keep ops.Attention, where dLSE has a path.
+struct CpuAttentionBackward : torch::autograd::Node {
+  SavedVariable q, k, v, out, lse;  // out saved detached, as in AttentionBackward
+  double scale = 0.0;
+  bool causal = false;
+
+  std::string name() const override { return "flashtile::CpuAttentionBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    const at::Tensor& dout = grads[0];
+    if (!dout.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    bool recorded = at::GradMode::is_enabled() && dout.requires_grad();
+    auto [dq, dk, dv] = [&] {
+      at::AutoGradMode off(false);
+      return kernel_backward(dout, q.unpack(), k.unpack(), v.unpack(), out.unpack(), lse.unpack(), scale, causal);
+    }();
+    return recorded ? refused_twice({dq, dk, dv}) : variable_list{dq, dk, dv};
+  }
+
+  void release_variables() override {
+    for (SavedVariable* s : {&q, &k, &v, &out, &lse}) s->reset_data();
+  }
+};
+
+// cpu_forward with that node on out (and lse without history); None as cpu_forward.
+std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_train(const at::Tensor& q, const at::Tensor& k,
+                                                             const at::Tensor& v, double scale, bool causal) {
+  auto result = [&] {
+    at::AutoGradMode off(false);
+    return cpu_forward(q, k, v, scale, causal);
+  }();
+  if (!result) return std::nullopt;
+  auto& [out, lse] = *result;
+  NodePtr node = new_node<CpuAttentionBackward>();
+  auto* attention = static_cast<CpuAttentionBackward*>(node.get());
+  attention->scale = scale;
+  attention->causal = causal;
+  attention->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+  attention->q = SavedVariable(q, false);
+  attention->k = SavedVariable(k, false);
+  attention->v = SavedVariable(v, false);
+  attention->out = SavedVariable(out.detach(), false);
+  attention->lse = SavedVariable(lse, false);
+  torch::autograd::set_history(out, node);
+  return result;
 }
 
 }  // namespace
@@ -421,6 +482,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> cpu_backward(
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_forward", &cpu_forward);
   m.def("cpu_backward", &cpu_backward);
+  m.def("cpu_train", &cpu_train);
   m.def("all_finite", &all_finite);
   m.def("set_poison", [](bool on) { poison_outputs = on; });
   py::class_<Backward, std::shared_ptr<Backward>>(m, "Backward").def("run", &Backward::run);
