@@ -391,21 +391,16 @@ bool all_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 
 // torch's CPU FlashAttention kernel on (b, s, h, d) operands where it computes flashtile's definition (no softcap,
 // ALiBi or window; causal only when seqlen_q == seqlen_k: the caller decides), as cpu_kernel.forward returns it:
-// contiguous (b, s_q, h_q, d) and an fp32 (b, h_q, s_q) LSE. None when an input holds a NaN or an Inf, which the
-// kernel's outputs cannot show as flashtile's rules want: the Python path then applies them. A NaN or Inf in v
-// reaches no LSE, so v is checked itself; one in q or k reaches the LSE of every row that reads it (the kernel
-// writes 0 and an LSE of -inf there, or NaN), and every row of the problems served here reads a key, so a
-// non-finite LSE marks it. (An Inf in k that only meets queries of the opposite sign is a key of weight 0, as
-// IEEE arithmetic has it on every path.) The LSE holds a d-th of q's elements: cheaper than checking q and k.
+// contiguous (b, s_q, h_q, d) and an fp32 (b, h_q, s_q) LSE. None when an input holds a NaN or an Inf: the kernel's
+// outputs do not show them as flashtile's rules want (often not at all: a finite LSE for a row that read a NaN
+// in q), and the Python path applies the rules. So the inputs are checked, not the outputs.
 std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& q, const at::Tensor& k,
                                                                const at::Tensor& v, double scale, bool causal) {
-  if (!finite(v)) return std::nullopt;
+  if (!all_finite(q, k, v)) return std::nullopt;
   auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q.transpose(1, 2), k.transpose(1, 2),
                                                                      v.transpose(1, 2), 0.0, causal, std::nullopt,
                                                                      scale);
-  at::Tensor lse32 = lse.to(at::kFloat).contiguous();
-  if (!finite(lse32)) return std::nullopt;
-  return std::make_tuple(out.transpose(1, 2).contiguous(), lse32);
+  return std::make_tuple(out.transpose(1, 2).contiguous(), lse.to(at::kFloat).contiguous());
 }
 
 // The kernel's backward for what cpu_forward returned: contiguous (dq, dk, dv) shaped like q, k, v.
