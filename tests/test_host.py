@@ -1,6 +1,7 @@
 """The host path's switch and build (host.py) on any machine; its kernels run in tests/test_host_gpu.py."""
 
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -274,12 +275,13 @@ def test_the_cpu_kernel_call_is_not_taken_where_the_kernel_does_not_serve(monkey
 def test_the_extensions_finite_check_finds_every_nonfinite_kind(monkeypatch):
     monkeypatch.setenv(host.MODE_ENV, "on")
     module = host.extension()
-    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        x = torch.randn(3, 7000).to(dtype)
+    for dtype, columns in itertools.product((torch.float32, torch.float64, torch.bfloat16, torch.float16),
+                                            (100, 7000)):  # checked element by element, and by the sum
+        x = torch.randn(3, columns).to(dtype)
         assert module.all_finite(x, x.t(), x[:, ::2])
         for bad in (float("nan"), float("inf"), float("-inf")):
             y = x.clone()
-            y[2, 6999] = bad
+            y[2, columns - 1] = bad
             assert not module.all_finite(x, x, y) and not module.all_finite(y.t(), x, x)
         largest = torch.tensor([torch.finfo(dtype).max, torch.finfo(dtype).tiny], dtype=dtype)
         assert module.all_finite(largest, x, x)

@@ -21,6 +21,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <ATen/Dispatch.h>
 #include <ATen/Functions.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -269,9 +270,28 @@ variable_list refused_twice(variable_list grads) {
   return refusal.apply(std::move(grads));
 }
 
-struct AttentionBackward : torch::autograd::Node {
+// What both nodes keep: the edges to q, k and v and the five saved tensors (out and lse detached: a node's own
+// outputs saved as inputs would form a cycle).
+struct SavedOperands : torch::autograd::Node {
+  SavedVariable q, k, v, out, lse;
+
+  void save(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& out_,
+            const at::Tensor& lse_) {
+    set_next_edges(torch::autograd::collect_next_edges(q_, k_, v_));
+    q = SavedVariable(q_, false);
+    k = SavedVariable(k_, false);
+    v = SavedVariable(v_, false);
+    out = SavedVariable(out_.detach(), false);
+    lse = SavedVariable(lse_.detach(), false);
+  }
+
+  void release_variables() override {
+    for (SavedVariable* s : {&q, &k, &v, &out, &lse}) s->reset_data();
+  }
+};
+
+struct AttentionBackward : SavedOperands {
   std::shared_ptr<const Backward> plan;
-  SavedVariable q, k, v, out, lse;  // out and lse saved detached: this node's own outputs would form a cycle
 
   std::string name() const override { return "flashtile::AttentionBackward"; }
 
@@ -287,10 +307,6 @@ struct AttentionBackward : torch::autograd::Node {
       return plan->run(dout, q_, k_, v_, out_, lse_, dlse);
     }();
     return recorded ? refused_twice({dq, dk, dv}) : variable_list{dq, dk, dv};
-  }
-
-  void release_variables() override {
-    for (SavedVariable* s : {&q, &k, &v, &out, &lse}) s->reset_data();
   }
 };
 
@@ -365,12 +381,7 @@ struct Forward {
     NodePtr node = new_node<AttentionBackward>();
     auto* attention = static_cast<AttentionBackward*>(node.get());
     attention->plan = backward;
-    attention->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
-    attention->q = SavedVariable(q, false);
-    attention->k = SavedVariable(k, false);
-    attention->v = SavedVariable(v, false);
-    attention->out = SavedVariable(o.detach(), false);
-    attention->lse = SavedVariable(lse.detach(), false);
+    attention->save(q, k, v, o, lse);
     torch::autograd::set_history(o, node);
     torch::autograd::set_history(lse, node);
     return {o, lse};
@@ -379,9 +390,23 @@ struct Forward {
 
 // ---- The CPU's kernel call (dispatch.GeneralCall, cpu_kernel.forward's square case) ------------------------------
 
-// Whether a tensor holds no NaN or Inf, by reference._all_finite's test: its sum (fp32, fp64 for fp64) is finite.
-// An overflow is only a false alarm, which sends the call to the Python path: slower, never wrong.
+// Up to this many elements a tensor is checked element by element: a reduction's fixed cost (dispatch, a
+// scalar read back) outweighs a plain loop's over a few thousand elements, and its vectorised sum wins beyond.
+constexpr int64_t kLoopCheckElements = 4096;
+
+// Whether a tensor holds no NaN or Inf: element by element where it is small and contiguous, otherwise by
+// reference._all_finite's test, its sum (fp32, fp64 for fp64) being finite. An overflow of the sum is only a
+// false alarm, which sends the call to the Python path: slower, never wrong.
 bool finite(const at::Tensor& t) {
+  if (t.numel() <= kLoopCheckElements && t.is_contiguous()) {
+    return AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "flashtile_finite", [&] {
+      const scalar_t* data = t.const_data_ptr<scalar_t>();
+      for (int64_t i = 0; i < t.numel(); ++i) {
+        if (!std::isfinite(static_cast<double>(data[i]))) return false;
+      }
+      return true;
+    });
+  }
   return std::isfinite(t.sum(t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).item<double>());
 }
 
@@ -426,8 +451,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> cpu_backward(
 
 // The node of a CPU kernel call in training: recorded only after cpu_forward took the kernel, so its backward
 // takes it too. Its one output is out: calls whose LSE is returned keep ops.Attention, where dLSE has a path.
-struct CpuAttentionBackward : torch::autograd::Node {
-  SavedVariable q, k, v, out, lse;  // out saved detached, as in AttentionBackward
+struct CpuAttentionBackward : SavedOperands {
   double scale = 0.0;
   bool causal = false;
 
@@ -442,10 +466,6 @@ struct CpuAttentionBackward : torch::autograd::Node {
       return kernel_backward(dout, q.unpack(), k.unpack(), v.unpack(), out.unpack(), lse.unpack(), scale, causal);
     }();
     return recorded ? refused_twice({dq, dk, dv}) : variable_list{dq, dk, dv};
-  }
-
-  void release_variables() override {
-    for (SavedVariable* s : {&q, &k, &v, &out, &lse}) s->reset_data();
   }
 };
 
@@ -462,12 +482,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_train(const at::Tensor& q,
   auto* attention = static_cast<CpuAttentionBackward*>(node.get());
   attention->scale = scale;
   attention->causal = causal;
-  attention->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
-  attention->q = SavedVariable(q, false);
-  attention->k = SavedVariable(k, false);
-  attention->v = SavedVariable(v, false);
-  attention->out = SavedVariable(out.detach(), false);
-  attention->lse = SavedVariable(lse, false);
+  attention->save(q, k, v, out, lse);
   torch::autograd::set_history(out, node);
   return result;
 }
