@@ -62,6 +62,10 @@ def _runner(name: str, q, k, v, causal: bool, pass_: str):
 # Passes timed in one set of rounds, taking turns: the training and inference forwards of every kernel, so that a
 # drift of the GPU's clocks over the minutes a row takes falls on both alike (the train gap compares them).
 TIMED_TOGETHER = (("fwd (train)", "fwd (no_grad)"), ("bwd",))
+# Untimed rounds before the timed ones at each shape: the first round of a new shape read up to 10% off in either
+# direction while the next three agreed within 1% (docs/notes.md, session thirteen), and a best-of-two would keep
+# a lucky first round.
+WARMUP_ROUNDS = 1
 
 
 def run(dtype=torch.bfloat16, reps: int = 30, progress=None) -> dict:
@@ -72,6 +76,7 @@ def run(dtype=torch.bfloat16, reps: int = 30, progress=None) -> dict:
         for passes in TIMED_TOGETHER:
             makers = {(name, pass_): partial(_runner, name, q, k, v, causal, pass_)
                       for pass_ in passes for name in KERNELS}
+            measure.time_rounds(makers, reps=reps, rounds=WARMUP_ROUNDS)  # discarded
             times = measure.time_rounds(makers, reps=reps)
             for pass_ in passes:
                 flops = measure.attention_flops(batch, heads, n, n, d, causal=causal, backward=pass_ == "bwd")
