@@ -200,6 +200,21 @@ def test_cpu_training_calls_record_the_cpu_node_and_match_the_python_path(monkey
         assert torch.equal(a, b)
 
 
+@needs_build
+def test_the_cpu_nodes_output_changed_in_place_is_refused_at_backward(monkeypatch):
+    """The kernel runs below autograd's dispatch (no view tracking), yet the output the node saved keeps its
+    version counter: an in-place change before backward is an error, not a wrong gradient."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    q, k, v = _cpu_leaves(CPU_CASES[0])
+    out = flashtile.attention(q, k, v, causal=True)
+    assert out.grad_fn.name() == "flashtile::CpuAttentionBackward"
+    loss = out.float().sum()
+    with torch.no_grad():
+        out.mul_(2)
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        loss.backward()
+
+
 FUZZ_CASES = 300
 
 

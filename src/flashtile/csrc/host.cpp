@@ -422,6 +422,10 @@ bool all_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& q, const at::Tensor& k,
                                                                const at::Tensor& v, double scale, bool causal) {
   if (!all_finite(q, k, v)) return std::nullopt;
+  // Below autograd's dispatch: nothing here is recorded (the callers switch gradients off), and a view or a
+  // kernel then skips autograd's and the view tracker's layers. Safe because nothing here writes in place, and
+  // the views only feed the kernel or a copy.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q.transpose(1, 2), k.transpose(1, 2),
                                                                      v.transpose(1, 2), 0.0, causal, std::nullopt,
                                                                      scale);
@@ -432,6 +436,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(at::Tensor dout, const at::Tensor& q, const at::Tensor& k,
                                                                const at::Tensor& v, const at::Tensor& out,
                                                                const at::Tensor& lse, double scale, bool causal) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in cpu_forward
   if (dout.stride(-1) != 1) dout = dout.contiguous();
   const at::Tensor lse_accum = lse.to(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
