@@ -157,6 +157,21 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     // One tile: heaviest first (under a causal mask the last query block sees the most keys).
     const Work single = kPersistent ? Work{} : work_at(gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z);
     if (!kPersistent && single.m0 >= single.pr.seqlen_q) return;
+    // body(work tile, kv_base) over this block's tiles in order; persistent blocks run after_tile() after each.
+    auto for_each_tile = [&](auto&& body, auto&& after_tile) {
+        if constexpr (kPersistent) {
+            int kv_base = 0;
+            for (int unit = blockIdx.x; unit < units; unit += gridDim.x)
+                for (int part = 0; part < tiles_in(unit); ++part) {
+                    const Work w = work(unit, part);
+                    body(w, kv_base);
+                    after_tile();
+                    kv_base += w.tiles.count;
+                }
+        } else {
+            body(single, 0);
+        }
+    };
 
     const u32 k_smem = smem_addr(smem.k[0]), v_smem = smem_addr(smem.v[0]);
     const u32 k_full = smem_addr(smem.k_full), v_full = smem_addr(smem.v_full);
@@ -198,17 +213,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
                                 blk * kSwizzleRowElems, map_row0 + n0, map_head, map_batch, v_bar);
             }
         };
-        if constexpr (kPersistent) {
-            int kv_base = 0;
-            for (int unit = blockIdx.x; unit < units; unit += gridDim.x)
-                for (int part = 0; part < tiles_in(unit); ++part) {
-                    const Work w = work(unit, part);
-                    produce(w, kv_base);
-                    kv_base += w.tiles.count;
-                }
-        } else {
-            produce(single, 0);
-        }
+        for_each_tile(produce, [] {});
         return;
     }
 
@@ -427,16 +432,6 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
                     *reinterpret_cast<const uint4*>(q_rows + QTile::offset(local_row, col));
         }
     };
-    if constexpr (kPersistent) {
-        int kv_base = 0;
-        for (int unit = blockIdx.x; unit < units; unit += gridDim.x)
-            for (int part = 0; part < tiles_in(unit); ++part) {
-                const Work w = work(unit, part);
-                consume(w, kv_base);
-                named_barrier_sync(barrier, kWarpgroupThreads);  // O has left before the next tile's Q lands there
-                kv_base += w.tiles.count;
-            }
-    } else {
-        consume(single, 0);
-    }
+    // O has left before the next tile's Q lands there.
+    for_each_tile(consume, [&] { named_barrier_sync(barrier, kWarpgroupThreads); });
 }
