@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile import specs
 from feature_cases import DTYPES, case_id, feature_cases, feature_options
 from flashtile.reference import varlen_apply, attention_ref
 from flashtile.testing import compare, ERROR_RATIO, ABS_FLOOR
@@ -109,6 +110,30 @@ def test_kv_through_tensor_maps(d, dv, causal, poisoned_outputs):
     k = torch.randn(1, 777, 2, d, device="cuda", dtype=torch.bfloat16).expand(3, -1, -1, -1)
     v = torch.randn(1, 777, 2, dv, device="cuda", dtype=torch.bfloat16).expand(3, -1, -1, -1)
     out, lse = flashtile.attention(q, k, v, causal=causal, return_lse=True)
+    result = compare(q, k, v, out, lse, causal=causal)
+    assert result.ok, result
+
+
+@pytest.mark.parametrize("d", [64, 104, 256])
+@pytest.mark.parametrize("causal,sq,sk", [(False, 1000, 1000), (True, 1000, 1000), (True, 1100, 700),
+                                           (False, 777, 1300)])
+def test_hopper_blocks_that_run_many_tiles(d, causal, sq, sk, poisoned_outputs):
+    """Rung 5 with several work tiles per persistent block: each tile's Q lands in one of two buffers while the
+    tile before runs, the consumers' turns run on from tile to tile, and a consumer passes the key tiles its own
+    rows do not see (past the sequence's end, above the causal diagonal, or every key when sk < sq). Q is a
+    strided view of a packed tensor and d104 leaves columns for Q's map to zero-fill."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("rung 'hopper' runs on sm_90a")
+    torch.manual_seed(d + sq + sk + causal)
+    padded = specs.pick_padded(d, specs.FWD_HEAD_DIMS)
+    block_m, hq, hkv = specs.hopper_fwd_tile(padded, padded, "sm_90a").block_m, 8, 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = -(-4 * sms // (-(-sq // block_m) * hq))  # four work tiles per SM
+    packed = torch.randn(batch, sq, hq, d + 8, device="cuda", dtype=torch.bfloat16)
+    q = packed[..., 8:]
+    k = torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
+    out, lse = flashtile.attention(q, k, v, causal=causal, return_lse=True, rung="hopper")
     result = compare(q, k, v, out, lse, causal=causal)
     assert result.ok, result
 

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from flashtile import launch
+from flashtile import launch, tma
 
 cuda_bindings = pytest.importorskip("cuda.bindings")
 
@@ -50,7 +50,7 @@ def test_a_missing_or_extra_second_argument_is_refused(recorded):
     """The pipelined forward takes its tensor maps as a second argument; launching it without them (or another
     kernel with them) would hand the driver the wrong argument list: a clear error instead."""
     maps_kernel = launch.LoadedKernel(function=object(), device=0, max_dynamic_smem=1 << 20,
-                                      extra_bytes=launch.EXTRA_BYTES)
+                                      extra_bytes=2 * tma.MAP_BYTES)
     plain_kernel = launch.LoadedKernel(function=object(), device=0, max_dynamic_smem=1 << 20)
     with pytest.raises(ValueError, match="second argument of 256 bytes"):
         launch.launch(maps_kernel, (1, 1, 1), 32, 0, launch.param_values())

@@ -4,7 +4,7 @@ import types
 
 import torch
 
-from flashtile import tma
+from flashtile import specs, tma
 from flashtile.specs import KvBox
 
 
@@ -25,6 +25,20 @@ def test_tensor_maps_are_kept_by_address_shape_strides_and_dtype(monkeypatch):
     assert len(encoded) == 4
     assert tma.kernel_argument(k, k, None) is None
     assert tma.kernel_argument(k, k, KvBox(0, 32)) == tma.NO_MAPS
+
+
+def test_rung_five_takes_k_v_then_q_maps(monkeypatch):
+    """Rung 5's producer loads Q through a map too: the second argument is K's, V's, then Q's map (common/tma.cuh
+    QkvMaps), as many bytes as its spec declares."""
+    monkeypatch.setattr(tma, "_encode", lambda t, box: bytes([t.shape[-1] % 251, box.rows]) * (tma.MAP_BYTES // 2))
+    tma._kept.clear()
+    q, k, v = (torch.zeros(1, 128, 2, d, dtype=torch.bfloat16) for d in (8, 16, 24))
+    spec = specs.hopper_fwd_spec("bf16", 64, 64, specs.hopper_fwd_tile(64, 64, "sm_90a"))
+    argument = tma.kernel_argument(k, v, spec.kv_maps, q, spec.q_map)
+    assert len(argument) == spec.maps_bytes == 3 * tma.MAP_BYTES
+    assert [argument[i * tma.MAP_BYTES] for i in range(3)] == [16, 24, 8]
+    assert argument[2 * tma.MAP_BYTES + 1] == specs.WGMMA_M           # Q's box: one consumer's rows
+    assert tma.kernel_argument(k, v, spec.kv_maps) == argument[:2 * tma.MAP_BYTES]
 
 
 class _FakeDriver:

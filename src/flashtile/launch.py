@@ -135,12 +135,12 @@ def load(spec: KernelSpec, device: int) -> LoadedModule:
             handle = code.get_kernel(entry).handle
             if not isinstance(handle, driver.CUfunction):  # a library kernel: take its function in this context
                 handle = _check(driver.cuKernelGetFunction(handle), f"cuKernelGetFunction({entry})")
-            kernels[entry] = LoadedKernel(handle, device, extra_bytes=EXTRA_BYTES if spec.kv_maps is not None else 0)
+            kernels[entry] = LoadedKernel(handle, device, extra_bytes=spec.maps_bytes)
     loaded = _loaded[key] = LoadedModule(spec, code, kernels)
     return loaded
 
 
-EXTRA_BYTES = 256   # the largest second argument: the forward's KvMaps (two 128-byte tensor maps)
+EXTRA_BYTES = 384   # the largest second argument: rung 5's QkvMaps (three 128-byte tensor maps)
 EXTRA_ALIGN = 64    # a tensor map's alignment
 
 

@@ -51,8 +51,10 @@ class FwdPlan:
     scratch_floats: int                 # fp32 scratch the kernels share (rung 0's scores); 0: none
     tail: tuple                         # the params after the address fields
     kv_box: KvBox | None                # the K/V tensor maps' box (tma.kernel_argument); None: one argument
-    # K's and V's tensor maps by address: the plan fixes everything else a map describes.
-    maps: dict[tuple[int, int], bytes] = field(default_factory=dict, compare=False)
+    q_box: KvBox | None = None          # Q's map's box, where the kernel loads Q through one
+    # The tensor maps by the addresses they describe (K's and V's, and Q's where there is a Q map): the plan
+    # fixes everything else a map describes.
+    maps: dict[tuple[int, ...], bytes] = field(default_factory=dict, compare=False)
 
     def run(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, out=None):
         """(out, lse): fresh, or written into `out` = (o, lse) laid out as the plan was built. The operands' base
@@ -68,11 +70,12 @@ class FwdPlan:
             addresses += (_address(cu_seqlens_q), _address(cu_seqlens_k), _address(alibi_slopes))
         extra = None
         if self.kv_box is not None:
-            extra = self.maps.get(addresses[1:3])
+            key = addresses[1:3] if self.q_box is None else addresses[:3]
+            extra = self.maps.get(key)
             if extra is None:
                 if len(self.maps) >= MAX_KEPT_MAPS:
                     self.maps.clear()
-                extra = self.maps[addresses[1:3]] = tma.kernel_argument(k, v, self.kv_box)
+                extra = self.maps[key] = tma.kernel_argument(k, v, self.kv_box, q, self.q_box)
         launch.run(self.launches, addresses + self.tail, launch.PARAMS_STRUCT, extra)
         return o, lse
 

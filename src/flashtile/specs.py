@@ -22,6 +22,9 @@ _DTYPE_DEFINES = {"f32": "FT_DTYPE_F32", "f16": "FT_DTYPE_F16", "bf16": "FT_DTYP
 TEST_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120")
 
 
+TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
+
+
 @dataclass(frozen=True)
 class KvBox:
     """The box of the K and V tensor maps a kernel takes as its second argument (flashtile/tma.py encodes them,
@@ -41,6 +44,12 @@ class KernelSpec:
     defines: tuple[tuple[str, int], ...] = ()
     smem_bytes: int = 0                  # dynamic shared memory per block (= sizeof(SharedStorage), tested)
     kv_maps: KvBox | None = None         # the kernels' second argument: K's and V's tensor maps; None: none
+    q_map: KvBox | None = None           # Q's map after them (rung 5's producer loads Q); None: none
+
+    @property
+    def maps_bytes(self) -> int:
+        """Bytes of the second argument (0: the kernels take one)."""
+        return 0 if self.kv_maps is None else TENSOR_MAP_BYTES * (2 if self.q_map is None else 3)
 
     @property
     def name(self) -> str:
@@ -379,9 +388,9 @@ PRODUCER_REGISTERS = 24        # the producer holds a few addresses and counters
 CONSUMER_REGISTERS = {2: 240, 3: 160}
 HOPPER_FWD_TILES = {
     64: HopperFwdTile(192, 128, 3, "three consumers (S 64 + O 32 + P 32 registers fit 160): more rows per K/V "
-                                   "tile read; three stages beat two and four; 121 KB"),
+                                   "tile read; three stages beat two and four; 145 KB"),
     128: HopperFwdTile(128, 128, 2, "two consumers of 240 registers: S 64 + O 64 + P 32; two stages level with "
-                                    "three once K and V free their slots apart; 161 KB"),
+                                    "three once K and V free their slots apart; 193 KB"),
     256: HopperFwdTile(128, 64, 2, "two consumers: O 128 + S 32 + P 16 registers; a 128-key tile would need "
                                    "S 64 more; 193 KB, so two stages; one work tile per block: the persistent "
                                    "loop's bookkeeping spills 8 bytes under NVRTC 13.0", persistent=False),
@@ -395,19 +404,27 @@ def hopper_fwd_tile(d: int, dv: int, arch: str) -> HopperFwdTile | None:
     return HOPPER_FWD_TILES.get(d)
 
 
+def hopper_fwd_q_buffers(tile: HopperFwdTile) -> int:
+    """Q buffers of a rung-5 block: persistent blocks load the next tile's Q while the current one runs."""
+    return 2 if tile.persistent else 1
+
+
 def hopper_fwd_smem(d: int, dv: int, tile: HopperFwdTile) -> int:
-    """Q (later O) per consumer, the K/V stages, four mbarriers per stage; a multiple of the swizzle atom."""
-    tiles = tile.block_m * d + tile.stages * tile.block_n * (d + dv)
-    storage = tiles * ELEM_BYTES + 4 * tile.stages * MBARRIER_BYTES
+    """The Q (later O) buffers, the K/V stages, two mbarriers per Q buffer and four per stage; a multiple of the
+    swizzle atom."""
+    buffers = hopper_fwd_q_buffers(tile)
+    tiles = buffers * tile.block_m * d + tile.stages * tile.block_n * (d + dv)
+    storage = tiles * ELEM_BYTES + (2 * buffers + 4 * tile.stages) * MBARRIER_BYTES
     return -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
 
 
 def hopper_fwd_spec(dtype: str, d: int, dv: int, tile: HopperFwdTile) -> KernelSpec:
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", tile.block_m), ("FT_BLOCK_N", tile.block_n),
                ("FT_STAGES", tile.stages), ("FT_PINGPONG", int(tile.pingpong)), ("FT_PRODUCER_REGISTERS", PRODUCER_REGISTERS),
-               ("FT_CONSUMER_REGISTERS", CONSUMER_REGISTERS[tile.consumers]), ("FT_PERSISTENT", int(tile.persistent)))
+               ("FT_CONSUMER_REGISTERS", CONSUMER_REGISTERS[tile.consumers]), ("FT_PERSISTENT", int(tile.persistent)),
+               ("FT_Q_BUFFERS", hopper_fwd_q_buffers(tile)))
     return KernelSpec("wgmma/fwd.cu", ("attn_fwd",), dtype, "sm_90a", defines, hopper_fwd_smem(d, dv, tile),
-                      kv_maps=KvBox(tile.block_n, WIDE_BOX_COLS))
+                      kv_maps=KvBox(tile.block_n, WIDE_BOX_COLS), q_map=KvBox(WGMMA_M, WIDE_BOX_COLS))
 
 
 # The backward's two row kernels (preprocess: D = rowsum(dO * O) and the base-2 LSE; the dQ conversion): one

@@ -21,9 +21,9 @@ import ctypes
 import torch
 
 from .jit import cuda_module
+from .specs import TENSOR_MAP_BYTES as MAP_BYTES
 from .specs import KvBox
 
-MAP_BYTES = 128            # sizeof(CUtensorMap)
 NO_MAPS = bytes(2 * MAP_BYTES)  # the kernel's KvMaps parameter when its build loads K/V with cp.async
 MAX_KEPT_MAPS = 1024
 
@@ -87,10 +87,14 @@ def kv_maps(k: torch.Tensor, v: torch.Tensor, box: KvBox) -> bytes:
     return _map(k, box) + _map(v, box)
 
 
-def kernel_argument(k: torch.Tensor, v: torch.Tensor, box: KvBox | None) -> bytes | None:
-    """The forward kernel's second argument (its spec's `kv_maps` says which): None for kernels that take one
-    argument, empty maps for builds that load K/V with cp.async (box rows 0), else K's and V's maps."""
+def kernel_argument(k: torch.Tensor, v: torch.Tensor, box: KvBox | None, q: torch.Tensor | None = None,
+                    q_box: KvBox | None = None) -> bytes | None:
+    """The forward kernel's second argument (its spec's `kv_maps` and `q_map` say which): None for kernels that
+    take one argument, empty maps for builds that load K/V with cp.async (box rows 0), else K's and V's maps,
+    and Q's after them where the kernel loads Q through one (`q_box`)."""
     if box is None:
         return None
-    return kv_maps(k, v, box) if box.rows else NO_MAPS
+    if not box.rows:
+        return NO_MAPS
+    return kv_maps(k, v, box) if q_box is None else kv_maps(k, v, box) + _map(q, q_box)
 

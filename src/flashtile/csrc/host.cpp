@@ -101,7 +101,7 @@ void check(CUresult result, const char* what) {
 // ---- A plan's launches ----------------------------------------------------------------------------------
 
 constexpr size_t kParamsCapacity = 1024;  // bytes; the largest struct (BwdParams) is well under it
-constexpr size_t kMapsBytes = 256;        // the forward's second argument: K's and V's 128-byte tensor maps
+constexpr size_t kMaxMapsBytes = 384;     // the forward's second argument: K's, V's (and Q's) 128-byte tensor maps
 constexpr size_t kMapsAlign = 64;         // a tensor map's alignment
 
 struct Step {
@@ -323,38 +323,42 @@ NodePtr new_node() {
 
 constexpr size_t kMaxKeptMaps = 64;  // plans.MAX_KEPT_MAPS
 
-struct PairHash {
-  size_t operator()(const std::pair<uint64_t, uint64_t>& p) const { return p.first * 1000003u ^ p.second; }
+using MapsKey = std::array<uint64_t, 3>;  // the addresses the maps describe: Q's (0 where they omit Q), K's, V's
+struct MapsKeyHash {
+  size_t operator()(const MapsKey& a) const { return (a[0] * 1000003u ^ a[1]) * 1000003u ^ a[2]; }
 };
+using MapsStorage = std::array<char, kMaxMapsBytes + kMapsAlign>;
 
 struct Forward {
   Launches launches;
   std::vector<int64_t> out_shape;  // empty: the output is at::empty_like(q)
   std::vector<int64_t> lse_shape;  // empty: no LSE
-  py::object make_maps;            // (k, v) -> K's and V's tensor maps as bytes; None: one argument
-  std::unordered_map<std::pair<uint64_t, uint64_t>, std::array<char, kMapsBytes + kMapsAlign>, PairHash> maps;
+  py::object make_maps;  // (q, k, v) -> the tensor maps as bytes (K's, V's, then Q's if maps_of_q); None: one argument
+  bool maps_of_q;        // the maps describe Q as well
+  std::unordered_map<MapsKey, MapsStorage, MapsKeyHash> maps;
   std::shared_ptr<const Backward> backward;
 
   Forward(Launches launches, std::vector<int64_t> out_shape, std::vector<int64_t> lse_shape, py::object make_maps,
-          std::shared_ptr<Backward> backward)
+          bool maps_of_q, std::shared_ptr<Backward> backward)
       : launches(std::move(launches)), out_shape(std::move(out_shape)), lse_shape(std::move(lse_shape)),
-        make_maps(std::move(make_maps)), backward(std::move(backward)) {}
+        make_maps(std::move(make_maps)), maps_of_q(maps_of_q), backward(std::move(backward)) {}
 
-  void* maps_for(const at::Tensor& k, const at::Tensor& v) {
+  void* maps_for(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     if (make_maps.is_none()) return nullptr;
-    const auto key = std::make_pair(reinterpret_cast<uint64_t>(k.data_ptr()), reinterpret_cast<uint64_t>(v.data_ptr()));
+    const MapsKey key{maps_of_q ? reinterpret_cast<uint64_t>(q.data_ptr()) : 0,
+                      reinterpret_cast<uint64_t>(k.data_ptr()), reinterpret_cast<uint64_t>(v.data_ptr())};
     auto found = maps.find(key);
     if (found == maps.end()) {
-      std::string bytes = make_maps(k, v).cast<std::string>();
-      require(bytes.size() == kMapsBytes, "flashtile: tensor maps of ", bytes.size(), " bytes");
+      std::string bytes = make_maps(q, k, v).cast<std::string>();
+      require(bytes.size() <= kMaxMapsBytes, "flashtile: tensor maps of ", bytes.size(), " bytes");
       if (maps.size() >= kMaxKeptMaps) maps.clear();
-      found = maps.emplace(key, std::array<char, kMapsBytes + kMapsAlign>{}).first;
-      std::memcpy(aligned(found->second), bytes.data(), kMapsBytes);
+      found = maps.emplace(key, MapsStorage{}).first;
+      std::memcpy(aligned(found->second), bytes.data(), bytes.size());
     }
     return aligned(found->second);
   }
 
-  static void* aligned(std::array<char, kMapsBytes + kMapsAlign>& storage) {
+  static void* aligned(MapsStorage& storage) {
     auto address = reinterpret_cast<uintptr_t>(storage.data());
     return reinterpret_cast<void*>((address + kMapsAlign - 1) / kMapsAlign * kMapsAlign);
   }
@@ -367,7 +371,7 @@ struct Forward {
     ParamsBuffer buffer;
     std::memcpy(buffer.bytes, launches.params.data(), launches.params.size());
     put_operands(buffer, q, k, v, o, lse);
-    launches.run(0, launches.steps.size(), buffer.bytes, maps_for(k, v), current_stream(q.device()));
+    launches.run(0, launches.steps.size(), buffer.bytes, maps_for(q, k, v), current_stream(q.device()));
     return {o, lse};
   }
 
@@ -512,8 +516,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                       lse_head_dim);
   });
   m.def("make_forward", [](const py::list& steps, py::bytes packed, uintptr_t context, std::vector<int64_t> out_shape,
-                           std::vector<int64_t> lse_shape, py::object make_maps, std::shared_ptr<Backward> backward) {
+                           std::vector<int64_t> lse_shape, py::object make_maps, bool maps_of_q,
+                           std::shared_ptr<Backward> backward) {
     return std::make_shared<Forward>(launches_of(steps, packed, context), std::move(out_shape), std::move(lse_shape),
-                                     std::move(make_maps), std::move(backward));
+                                     std::move(make_maps), maps_of_q, std::move(backward));
   });
 }

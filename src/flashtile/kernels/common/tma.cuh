@@ -16,6 +16,7 @@
 
 struct alignas(64) TensorMap { unsigned long long opaque[16]; };
 struct KvMaps { TensorMap k, v; };  // the forward's second parameter: K and V as (dim, rows, heads, batch)
+struct QkvMaps { TensorMap k, v, q; };  // rung 5's: K and V as above, then Q as (dim, rows, heads, batch)
 
 constexpr int kMbarrierBytes = 8;
 constexpr int kSwizzle64Period = 512;

@@ -1,11 +1,12 @@
 // wgmma/fwd.cu — rung 5 "hopper": the forward on Hopper's warpgroup products, fed by the copy engine.
 //
 // Idea:     rung 4's algorithm with each resource given to the unit built for it:
-//           * warp specialisation: one producer warp issues the tensor memory accelerator's copies (K and V
-//             tiles through a ring of FT_STAGES stages, each K and V slot with a "full" mbarrier the copy engine
-//             completes and an "empty" one the consumers release it with), while kConsumers warpgroups of 64
-//             query rows each compute. Nobody waits at a block-wide barrier inside the loop: a consumer waits only for the
-//             tile it needs, the producer only for the stage it refills;
+//           * warp specialisation: one producer warp issues the tensor memory accelerator's copies (each work
+//             tile's Q into one of FT_Q_BUFFERS buffers, K and V tiles through a ring of FT_STAGES stages, each
+//             slot with a "full" mbarrier the copy engine completes and an "empty" one the consumers release it
+//             with), while kConsumers warpgroups of 64 query rows each compute. Nobody waits at a block-wide
+//             barrier inside the loop: a consumer waits only for the tile it needs, the producer only for the
+//             slot it refills;
 //           * setmaxnreg moves registers from the producer warpgroup (which holds no data) to the consumers,
 //             whose scores, probabilities and output accumulators all live in registers;
 //           * both products on wgmma: S = Q K^T reads Q and K from shared memory (SS), O += P V takes P
@@ -25,8 +26,11 @@
 //             (FT_PINGPONG) the consumers also take turns issuing their products, so one warpgroup's
 //             exponentials run while another's products do.
 //           * persistent blocks (one per SM without a mask) take the work tiles (query block, head, batch) in
-//             turn; the producer loads a block's next tile while its consumers finish the last one's epilogue.
-// Wastes:   O leaves through ordinary stores; Q loads after the previous tile's epilogue, by the consumers.
+//             turn; the producer loads a block's next tile (its Q into the other buffer, its first K and V) while
+//             the consumers finish the last one.
+//           * a consumer warpgroup computes only the key tiles its own 64 rows see: under a causal mask the
+//             block's first rows stop a tile or more before its last, and rows past the sequence see none.
+// Wastes:   O leaves through ordinary stores.
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
 #include "../common/tile.cuh"
@@ -44,6 +48,7 @@ constexpr int kProducerRegisters = FT_PRODUCER_REGISTERS;  // per thread, after 
 constexpr int kConsumerRegisters = FT_CONSUMER_REGISTERS;
 
 constexpr int kConsumers = kBlockM / kWgmmaM;                   // consumer warpgroups
+constexpr int kQBuffers = FT_Q_BUFFERS;         // persistent blocks: the next tile's Q lands while this one runs
 constexpr int kWarpgroupThreads = kWarpgroupWarps * kWarpSize;
 constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;  // warpgroup 0 produces
 static_assert(kBlockM == kConsumers * kWgmmaM, "64 query rows per consumer warpgroup");
@@ -65,11 +70,14 @@ using VTile = SwizzledTile<kBlockN, kHeadDimV, true>;
 template <typename Tile>
 constexpr u32 kColumnBlockBytes = Tile::kBlockElems * sizeof(elem_t);  // a descriptor's step from block to block
 constexpr u32 kKStageBytes = KTile::kElems * sizeof(elem_t), kVStageBytes = VTile::kElems * sizeof(elem_t);
+constexpr u32 kQTileBytes = QTile::kElems * sizeof(elem_t), kQBufferBytes = kConsumers * kQTileBytes;
 
 struct __align__(kSwizzleAtomBytes) SharedStorage {
-    elem_t q[kConsumers][QTile::kElems];
+    elem_t q[kQBuffers][kConsumers][QTile::kElems];
     elem_t k[kStages][KTile::kElems];
     elem_t v[kStages][VTile::kElems];
+    unsigned long long q_full[kQBuffers];  // complete when a work tile's Q has landed in buffer b
+    unsigned long long q_empty[kQBuffers]; // complete when every consumer warp has read its rows of O out of b
     unsigned long long k_full[kStages];    // complete when stage s's K tile has landed
     unsigned long long v_full[kStages];    // ... its V tile
     unsigned long long k_empty[kStages];   // complete when every consumer warp's S = Q K^T has read stage s's K
@@ -111,7 +119,7 @@ __device__ __forceinline__ void add_values(float (&o)[kOutProducts][kOutAccumula
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
-attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps maps) {
+attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps maps) {
     extern __shared__ __align__(kSwizzleAtomBytes) unsigned char smem_raw[];
     SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
     if (dynamic_smem_bytes() < sizeof(SharedStorage)) __trap();
@@ -157,26 +165,30 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     // One tile: heaviest first (under a causal mask the last query block sees the most keys).
     const Work single = kPersistent ? Work{} : work_at(gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z);
     if (!kPersistent && single.m0 >= single.pr.seqlen_q) return;
-    // body(work tile, kv_base) over this block's tiles in order; persistent blocks run after_tile() after each.
-    auto for_each_tile = [&](auto&& body, auto&& after_tile) {
+    // body(work tile, kv_base, n) over this block's tiles in order, the n-th of them taking Q buffer n % kQBuffers.
+    auto for_each_tile = [&](auto&& body) {
         if constexpr (kPersistent) {
-            int kv_base = 0;
+            int kv_base = 0, n = 0;
             for (int unit = blockIdx.x; unit < units; unit += gridDim.x)
-                for (int part = 0; part < tiles_in(unit); ++part) {
+                for (int part = 0; part < tiles_in(unit); ++part, ++n) {
                     const Work w = work(unit, part);
-                    body(w, kv_base);
-                    after_tile();
+                    body(w, kv_base, n);
                     kv_base += w.tiles.count;
                 }
         } else {
-            body(single, 0);
+            body(single, 0, 0);
         }
     };
 
-    const u32 k_smem = smem_addr(smem.k[0]), v_smem = smem_addr(smem.v[0]);
+    const u32 q_smem = smem_addr(smem.q[0][0]), k_smem = smem_addr(smem.k[0]), v_smem = smem_addr(smem.v[0]);
+    const u32 q_full = smem_addr(smem.q_full), q_empty = smem_addr(smem.q_empty);
     const u32 k_full = smem_addr(smem.k_full), v_full = smem_addr(smem.v_full);
     const u32 k_empty = smem_addr(smem.k_empty), v_empty = smem_addr(smem.v_empty);
     if (threadIdx.x == kProducerThread) {
+        for (int b = 0; b < kQBuffers; ++b) {
+            mbarrier_init(q_full + b * kMbarrierBytes, 1);
+            mbarrier_init(q_empty + b * kMbarrierBytes, kConsumers * kWarpgroupWarps);
+        }
         for (int s = 0; s < kStages; ++s) {
             mbarrier_init(k_full + s * kMbarrierBytes, 1);
             mbarrier_init(v_full + s * kMbarrierBytes, 1);
@@ -188,12 +200,25 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     __syncthreads();  // the last block-wide barrier: from here on the warpgroups meet only at mbarriers
 
     if (warpgroup == 0) {
-        // Producer: K and V tiles into the ring, in the consumers' order, each as soon as its slot is free (a K
-        // slot frees a round before its V slot: S = Q K^T reads it first). The maps see K and V as (head dim,
-        // rows, kv heads, batch); rows past the sequence read as zeros.
+        // Producer: each work tile's Q into a Q buffer, once the tile that used the buffer before has stored its
+        // O from there; then K and V tiles into the ring, in the consumers' order, each as soon as its slot is
+        // free (a K slot frees a round before its V slot: S = Q K^T reads it first). The maps see Q, K and V as
+        // (head dim, rows, heads, batch); rows past the sequence read as zeros. A persistent block's producer
+        // reaches a tile's Q while the consumers still run the tile before, so that Q is there when they start.
         setmaxnreg_dec<kProducerRegisters>();
         if (threadIdx.x != kProducerThread) return;
-        auto produce = [&](const Work& w, int kv_base) {
+        auto produce = [&](const Work& w, int kv_base, int n) {
+            const int buffer = n % kQBuffers, use = n / kQBuffers;
+            const u32 q_bar = q_full + buffer * kMbarrierBytes;
+            if (use > 0) mbarrier_wait(q_empty + buffer * kMbarrierBytes, (use - 1) & 1);
+            mbarrier_arrive_expect_bytes(q_bar, kQBufferBytes);
+#pragma unroll
+            for (int c = 0; c < kConsumers; ++c)
+#pragma unroll
+                for (int blk = 0; blk < kHeadDim / kSwizzleRowElems; ++blk)
+                    tma_load_4d(q_smem + (buffer * kConsumers + c) * kQTileBytes + blk * kColumnBlockBytes<QTile>,
+                                maps.q, blk * kSwizzleRowElems, (int)w.pr.q_start + w.m0 + c * kWgmmaM, w.h, w.b,
+                                q_bar);
             const int map_row0 = (int)w.pr.k_start, map_head = w.h / p.group, map_batch = w.b;
             for (int it = 0; it < w.tiles.count; ++it) {
                 const int ring = kv_base + it, stage = ring % kStages, round = ring / kStages;
@@ -213,7 +238,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
                                 blk * kSwizzleRowElems, map_row0 + n0, map_head, map_batch, v_bar);
             }
         };
-        for_each_tile(produce, [] {});
+        for_each_tile(produce);
         return;
     }
 
@@ -222,26 +247,33 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
     const int consumer = warpgroup - 1;
     const int tid = threadIdx.x % kWarpgroupThreads, warp = tid / kWarpSize, lane = tid % kWarpSize;
     const int g = lane / kQuad, t = lane % kQuad;
-    const u32 q_tile = smem_addr(smem.q[consumer]);
     const int barrier = kConsumerBarrierBase + consumer;
     const float log2_factor = p.scale_log2;
-    auto consume = [&](const Work& w, int kv_base) {
+    // Ping-pong: the consumers take turns issuing their products (named barriers in a ring), so that while one
+    // warpgroup's products run on the tensor cores the others compute their softmax. Each round of products is
+    // bracketed by waiting for this warpgroup's turn and passing the turn on. A work tile with keys takes every
+    // consumer the same number of rounds, and the ring runs on from tile to tile: a consumer starts its next
+    // tile's products while the others finish the last one. The last consumer hands out the first turn before the
+    // block's first round; consumer 0 takes the last round's pass after the block's last tile.
+    auto turn_begin = [&] {
+        if constexpr (kPingPong) named_barrier_sync(kTurnBarrierBase + consumer, 2 * kWarpgroupThreads);
+    };
+    auto turn_end = [&] {
+        if constexpr (kPingPong) named_barrier_arrive(kTurnBarrierBase + (consumer + 1) % kConsumers, 2 * kWarpgroupThreads);
+    };
+    bool took_turns = false;  // this block has had a round of products (the same for every consumer)
+    auto consume = [&](const Work& w, int kv_base, int n) {
         const Problem& pr = w.pr;
         const int m0 = w.m0, n_begin = w.tiles.begin, n_tiles = w.tiles.count;
         const Mask mask(p.window_left, p.window_right, pr.seqlen_q, pr.seqlen_k);
         const int row0 = m0 + consumer * kWgmmaM;         // this warpgroup's first query row
         const int warp_row0 = row0 + warp * kMmaM;        // this warp's; a lane has rows g and g + 8 from it
 
-        // Q: this warpgroup's rows, by its own threads (cp.async; rows past the sequence and columns past the real
-        // head dim read as zeros), published to its products through the async proxy.
-        static_assert(TileLoader<kWgmmaM, kHeadDim, kWarpgroupThreads, true>::kAllThreads, "every thread copies");
-        TileLoader<kWgmmaM, kHeadDim, kWarpgroupThreads, true>(static_cast<const elem_t*>(p.q) + pr.q_offset,
-                                                                 p.q_row_stride, p.head_dim, tid)
-            .issue(q_tile, row0, pr.seqlen_q);
-        cp_async_commit();
-        cp_async_wait<0>();
-        fence_proxy_async();
-        named_barrier_sync(barrier, kWarpgroupThreads);
+        // Q: this warpgroup's rows in the tile's Q buffer (rows past the sequence and columns past the real head
+        // dim read as zeros).
+        const int buffer = n % kQBuffers;
+        const u32 q_tile = q_smem + (buffer * kConsumers + consumer) * kQTileBytes;
+        mbarrier_wait(q_full + buffer * kMbarrierBytes, (n / kQBuffers) & 1);
 
         float o[kOutProducts][kOutAccumulators] = {};
         float row_max[2] = {kNegInf, kNegInf}, row_sum[2] = {0.f, 0.f};  // rows g and g + 8 of this warp
@@ -326,38 +358,49 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
         auto k_tile = [&](int it) { return k_smem + stage_of(it) * kKStageBytes; };
         auto v_tile = [&](int it) { return v_smem + stage_of(it) * kVStageBytes; };
 
-        // Ping-pong: the consumers take turns issuing their products (named barriers in a ring), so that while one
-        // warpgroup's products run on the tensor cores the others compute their softmax. Each round of products is
-        // bracketed by waiting for this warpgroup's turn and passing the turn on; the last consumer passes nothing
-        // on after its last round (nobody would take it).
-        auto turn_begin = [&] {
-            if constexpr (kPingPong) named_barrier_sync(kTurnBarrierBase + consumer, 2 * kWarpgroupThreads);
+        if (kPingPong && n_tiles > 0 && !took_turns && consumer == kConsumers - 1)
+            named_barrier_arrive(kTurnBarrierBase, 2 * kWarpgroupThreads);  // the ring's first turn is consumer 0's
+        took_turns |= n_tiles > 0;
+
+        // This warpgroup's own tiles [lo, hi) of the block's: its rows may see fewer keys than the block's (under a
+        // causal mask the first rows stop a tile or more early; rows past the sequence see none). The others it
+        // passes on: it hands their ring slots back once they have landed (an early release would count toward the
+        // slot's previous round) and takes its turns without products, so the turns keep their order.
+        const int row1 = min(row0 + kWgmmaM, pr.seqlen_q);
+        const Mask::Tiles own = row0 < row1 ? mask.key_tiles<kBlockN>(row0, row1) : Mask::Tiles{0, 0};
+        const int lo = own.count > 0 ? (own.begin - n_begin) / kBlockN : n_tiles;
+        const int hi = own.count > 0 ? lo + own.count : n_tiles;
+        auto pass = [&](int it) {
+            wait_k(it);
+            release_k(it);
+            wait_v(it);
+            release_v(it);
+            turn_begin();
+            turn_end();
         };
-        auto turn_end = [&](bool last_round) {
-            if constexpr (kPingPong)
-                if (!(last_round && consumer == kConsumers - 1))
-                    named_barrier_arrive(kTurnBarrierBase + (consumer + 1) % kConsumers, 2 * kWarpgroupThreads);
-        };
-        if (kPingPong && consumer == kConsumers - 1 && n_tiles > 0)
-            named_barrier_arrive(kTurnBarrierBase, 2 * kWarpgroupThreads);  // the first turn is consumer 0's
+        for (int it = 0; it < lo; ++it) pass(it);
+        if (lo == hi && n_tiles > 0) {  // no tile of its own: one round without products, for the last one
+            turn_begin();
+            turn_end();
+        }
 
         // The loop keeps two products in flight: round `it` issues S_it = Q K_it^T and O += P_{it-1} V_{it-1}, then
         // runs the softmax of S_it while P V still runs; O is rescaled once P V has landed.
-        if (n_tiles > 0) {
-            wait_k(0);
+        if (lo < hi) {
+            wait_k(lo);
             turn_begin();
             fence_operands(s);
             wgmma_fence();
-            scores(s, q_tile, k_tile(0));
+            scores(s, q_tile, k_tile(lo));
             wgmma_commit();
-            turn_end(false);
+            turn_end();
             wgmma_wait<0>();
             fence_operands(s);
-            release_k(0);
-            softmax_of(0);  // O is still zero: nothing to rescale
+            release_k(lo);
+            softmax_of(lo);  // O is still zero: nothing to rescale
             to_p16();
         }
-        for (int it = 1; it < n_tiles; ++it) {
+        for (int it = lo + 1; it < hi; ++it) {
             wait_k(it);
             wait_v(it - 1);
             turn_begin();
@@ -368,7 +411,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
             wgmma_commit();
             add_values(o, p16, v_tile(it - 1));
             wgmma_commit();
-            turn_end(false);
+            turn_end();
             wgmma_wait<1>();
             fence_operands(s);
             release_k(it);
@@ -389,22 +432,23 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
             }
             to_p16();
         }
-        if (n_tiles > 0) {
-            wait_v(n_tiles - 1);
+        if (lo < hi) {
+            wait_v(hi - 1);
             turn_begin();
             fence_o();
             wgmma_fence();
-            add_values(o, p16, v_tile(n_tiles - 1));
+            add_values(o, p16, v_tile(hi - 1));
             wgmma_commit();
-            turn_end(true);
+            turn_end();
             wgmma_wait<0>();
             fence_o();
-            release_v(n_tiles - 1);
+            release_v(hi - 1);
         }
+        for (int it = hi; it < n_tiles; ++it) pass(it);
 
         // Epilogue: normalise, stage this warpgroup's rows of O over its rows of Q (its products are done with them),
-        // store 16 bytes at a time.
-        elem_t* q_rows = smem.q[consumer];
+        // store 16 bytes at a time, hand the buffer back to the producer.
+        elem_t* q_rows = smem.q[buffer][consumer];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int local_row = warp * kMmaM + g + 8 * half;
@@ -431,7 +475,10 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ KvMaps ma
                 *reinterpret_cast<uint4*>(out + (i64)row * p.o_row_stride + col) =
                     *reinterpret_cast<const uint4*>(q_rows + QTile::offset(local_row, col));
         }
+        fence_proxy_async();  // these reads come before the copy engine's writes of the buffer's next Q
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(q_empty + buffer * kMbarrierBytes);
     };
-    // O has left before the next tile's Q lands there.
-    for_each_tile(consume, [&] { named_barrier_sync(barrier, kWarpgroupThreads); });
+    for_each_tile(consume);
+    if (kPingPong && took_turns && consumer == 0) turn_begin();  // the last round's pass, which nobody else takes
 }
