@@ -63,13 +63,13 @@ def tiles(cases) -> None:
                 continue
             specs.HOPPER_FWD_TILES[d] = tile
             registry.choose.cache_clear()
-            api._calls.clear()
+            api.clear_calls()
             ms = min(measure.time_cuda(lambda: flashtile.attention(q, k, v, causal=bool(causal), rung="hopper"),
                                        reps=20) for _ in range(2))
             results.append(flops / ms / 1e9)
         specs.HOPPER_FWD_TILES[d] = row
         registry.choose.cache_clear()
-        api._calls.clear()
+        api.clear_calls()
         print(f"{d:>4} {n:>6} {causal:>6} " + " ".join(f"{r:>12.0f}" for r in results), flush=True)
 
 

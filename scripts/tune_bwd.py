@@ -47,7 +47,7 @@ def _use(tile=None, grid_tile=None, wgmma_tile=None):
         specs.bwd_tile = (lambda head_dim, arch, score_mods=False: tile) if tile else ORIGINAL[1]
         specs.bwd_wgmma_tile = lambda d, dv, arch, score_mods=False: wgmma_tile
     registry.choose.cache_clear()
-    api._calls.clear()
+    api.clear_calls()
 
 
 def main(dims):

@@ -163,6 +163,7 @@ def cached_calls(monkeypatch):
         serves = staticmethod(lambda q, k, v: True)
 
     monkeypatch.setattr(api, "_calls", {})
+    api.clear_calls()
     monkeypatch.setattr(dispatch, "planned_call",
                         lambda problem, rung, deterministic, grad: KeptCall(problem, deterministic, rung))
     return api._calls
@@ -335,6 +336,7 @@ def test_a_repeated_cpu_call_is_kept_without_its_tensors(monkeypatch):
     from flashtile import dispatch
 
     monkeypatch.setattr(api, "_calls", {})
+    api.clear_calls()
     q, k, v = qkv()
     first = flashtile.attention(q, k, v, causal=True)
     (kept,) = api._calls.values()
@@ -353,6 +355,7 @@ def test_a_kept_cpu_call_does_not_serve_another_device_of_the_same_signature(mon
     """A signature records the device index, which the CPU and meta share (-1): meta operands still get the
     full path's clear error."""
     monkeypatch.setattr(api, "_calls", {})
+    api.clear_calls()
     q, k, v = qkv(dtype=torch.float64)
     flashtile.attention(q, k, v)
     with pytest.raises(TypeError, match="q is torch.float64.*CPU-only"):

@@ -38,7 +38,7 @@ def test_a_cache_longer_than_its_sequences(poisoned_outputs):
 
 
 def test_repeated_calls_run_the_kept_plan():
-    api._calls.clear()
+    api.clear_calls()
     q = torch.randn(2, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 32768, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     flashtile.attention(q, k, v)

@@ -167,7 +167,7 @@ def test_a_repeated_call_runs_its_cached_plan():
     and an address that breaks 16-byte alignment falls back to the full path (which copies)."""
     from flashtile import api
 
-    api._calls.clear()
+    api.clear_calls()
     shape = (2, 300, 4, 64)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flashtile.attention(q, k, v, causal=True, return_lse=True)

@@ -17,7 +17,7 @@ from flashtile import api, host, launch, plans
 @pytest.fixture
 def fresh_host(monkeypatch):
     """host.py's module state as a new process has it, put back afterwards."""
-    for name, value in (("_module", None), ("_failed", False), ("_building", None)):
+    for name, value in (("_module", None), ("_failed", False), ("_building", None), ("_kept", None)):
         monkeypatch.setattr(host, name, value)
 
 
@@ -50,6 +50,11 @@ def test_auto_builds_in_the_background_then_empties_the_call_cache(monkeypatch, 
     class Built:
         poisoned = None
 
+        class KeptCalls(dict):
+            def __init__(self, capacity):
+                super().__init__({"a call kept before": None})
+                self.capacity = capacity
+
         def set_poison(self, on):
             self.poisoned = on
 
@@ -59,6 +64,10 @@ def test_auto_builds_in_the_background_then_empties_the_call_cache(monkeypatch, 
     assert host.extension() is None  # the Python path serves while the build runs
     assert host.wait() is built and host.extension() is built
     assert "a kept call" not in api._calls and built.poisoned is False
+    table = host.kept_calls()
+    assert table == {} and table.capacity == host.MAX_KEPT_CALLS  # emptied with api's cache
+    with host.python_path():
+        assert host.kept_calls() is None
 
 
 def test_a_failed_background_build_warns_once_and_the_python_path_serves(monkeypatch, fresh_host):
@@ -169,7 +178,7 @@ def test_the_cpu_kernel_call_matches_the_python_path_bitwise(monkeypatch, case):
     monkeypatch.setenv(host.MODE_ENV, "on")
     leaves = _cpu_leaves(case)
     dout = torch.randn(*leaves[0].shape, dtype=torch.float32).to(case[7])
-    api._calls.clear()
+    api.clear_calls()
     ours = _cpu_step(case, leaves, dout)
     assert [c.cpu_kernel is not None for c in api._calls.values()] == [True], "not the C++ kernel call"
     with host.python_path():
@@ -187,7 +196,7 @@ def test_cpu_training_calls_record_the_cpu_node_and_match_the_python_path(monkey
     monkeypatch.setenv(host.MODE_ENV, "on")
     leaves = _cpu_leaves(case)
     dout = torch.randn(*leaves[0].shape, dtype=torch.float32).to(case[7])
-    api._calls.clear()
+    api.clear_calls()
     out = flashtile.attention(*leaves, causal=case[6])
     assert out.grad_fn.name() == "flashtile::CpuAttentionBackward"
     ours = (out.detach(), *torch.autograd.grad(out, leaves, dout))
@@ -248,7 +257,7 @@ def test_nonfinite_inputs_get_the_python_paths_answer_forward_and_backward(monke
         results = []
         for path in (contextlib.nullcontext(), host.python_path()):
             with path:
-                api._calls.clear()
+                api.clear_calls()
                 out = flashtile.attention(*leaves, causal=causal)
                 with torch.no_grad():
                     lse = flashtile.attention(*leaves, causal=causal, return_lse=True)[1]
@@ -278,7 +287,7 @@ def test_a_nonfinite_input_leaves_the_cpu_kernel_call_to_the_python_rules(monkey
                          ids=["softcap", "window", "causal-not-square"])
 def test_the_cpu_kernel_call_is_not_taken_where_the_kernel_does_not_serve(monkeypatch, options):
     monkeypatch.setenv(host.MODE_ENV, "on")
-    api._calls.clear()
+    api.clear_calls()
     q = torch.randn(1, 9, 2, 16)
     k = v = torch.randn(1, 9 if "causal" not in options or len(options) > 1 else 13, 2, 16)
     with torch.no_grad():
@@ -300,3 +309,80 @@ def test_the_extensions_finite_check_finds_every_nonfinite_kind(monkeypatch):
             assert not module.all_finite(x, x, y) and not module.all_finite(y.t(), x, x)
         largest = torch.tensor([torch.finfo(dtype).max, torch.finfo(dtype).tiny], dtype=dtype)
         assert module.all_finite(largest, x, x)
+
+
+# ---- The extension's kept calls (a repeated call found and run in one crossing) --------------------------------------
+
+
+@needs_build
+def test_a_repeated_cpu_call_is_found_and_run_in_cpp(monkeypatch):
+    """The second call of a signature never reaches api.py's own lookup: the extension's table finds the kept call
+    and runs it, inference and training alike, with the first call's answer."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    host.extension()
+    api.clear_calls()
+    case = CPU_CASES[0]
+    leaves = _cpu_leaves(case)
+    with torch.no_grad():
+        first = flashtile.attention(*leaves, causal=True)
+    trained = flashtile.attention(*leaves, causal=True)
+    assert len(host.kept_calls()) == 2  # one signature without gradients, one with
+
+    def no_lookup(*args):
+        raise AssertionError("api.py's lookup ran for a call the extension keeps")
+    monkeypatch.setattr(api, "_signature", no_lookup)
+    with torch.no_grad():
+        assert torch.equal(flashtile.attention(*leaves, causal=True), first)
+    again = flashtile.attention(*leaves, causal=True)
+    assert again.grad_fn.name() == "flashtile::CpuAttentionBackward" and torch.equal(again, trained)
+    dout = torch.randn(again.shape, dtype=again.dtype)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(again, leaves, dout),
+                                                 torch.autograd.grad(trained, leaves, dout)))
+
+
+@needs_build
+def test_the_extensions_table_tells_options_strides_and_dtypes_apart(monkeypatch):
+    """A kept call serves only its own signature: another option, layout or dtype is planned anew and gets its
+    own answer (the Python path's, bit for bit)."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    host.extension()
+    api.clear_calls()
+    q, k, v = (t.detach() for t in _cpu_leaves(CPU_CASES[0]))
+    k_strided = k.transpose(1, 2).contiguous().transpose(1, 2)  # same shape and values, other strides
+    calls = [dict(causal=True), dict(causal=False), dict(causal=True, softmax_scale=0.5),
+             dict(causal=True, return_lse=True), dict(causal=True, deterministic=True)]
+    signatures = [(options, operands) for options in calls
+                  for operands in ((q, k, v), (q, k_strided, v), (q.double(), k.double(), v.double()))]
+    with torch.no_grad():
+        ours = [[flashtile.attention(*operands, **options) for _ in range(2)]  # planned, then served as kept
+                for options, operands in signatures]
+        assert len(host.kept_calls()) == 12  # every signature but the three whose LSE is returned (ops.Attention's)
+        with host.python_path():
+            theirs = [flashtile.attention(*operands, **options) for options, operands in signatures]
+    for (options, operands), results, expected in zip(signatures, ours, theirs):
+        for result in results:
+            for a, b in zip(*(r if isinstance(r, tuple) else (r,) for r in (result, expected))):
+                assert torch.equal(a, b), (options, operands[0].dtype, operands[1].stride())
+
+
+@needs_build
+def test_a_kept_call_with_a_nonfinite_input_or_under_functorch_takes_pythons_path(monkeypatch):
+    """The table answers nothing where api.py's path must decide: an input that is not finite (the general
+    path's NaN rules) and a functorch transform (autograd.Function.apply, which names what it lacks)."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    host.extension()
+    api.clear_calls()
+    q, k, v = (t.detach() for t in _cpu_leaves(CPU_CASES[0]))
+    with torch.no_grad():
+        flashtile.attention(q, k, v, causal=True)
+        k[0, 5, 1, 3] = float("nan")
+        out = flashtile.attention(q, k, v, causal=True)
+        with host.python_path():
+            expected = flashtile.attention(q, k, v, causal=True)
+    assert out.isnan().any()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    k[0, 5, 1, 3] = 0.0
+    q.requires_grad_()
+    flashtile.attention(q, k, v, causal=True)  # kept with gradients
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda q: flashtile.attention(q, k, v, causal=True).sum())(q.detach())

@@ -78,10 +78,10 @@ def heads_in_groups(monkeypatch):
     no call planned under it outlives the test."""
     from flashtile import backward
 
-    api._calls.clear()
+    api.clear_calls()
     monkeypatch.setattr(backward, "SCRATCH_LIMIT_BYTES", 1)
     yield
-    api._calls.clear()
+    api.clear_calls()
 
 
 GROUPED_CASES = [case for case in CASES if case[4] > 1]  # more than one key/value head: more than one group
@@ -165,3 +165,37 @@ def test_gradients_reach_only_the_inputs_that_require_them():
     out = flashtile.attention(q, k, v, causal=True)
     out.float().sum().backward()
     assert q.grad is not None and v.grad is not None and k.grad is None
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=[str(c) for c in CASES[:3]])
+def test_repeated_calls_are_found_and_run_in_cpp(case, monkeypatch, poisoned_outputs, poisoned_grads):
+    """A repeated call crosses into C++ once: the extension's table finds the planned call and runs it (no_grad,
+    training with the node, the LSE returned), bit for bit as the first call; operands at an address the kernels'
+    16-byte loads cannot take are left to api.py, which copies them."""
+    api.clear_calls()
+    q, k, v = _leaves(case)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], device="cuda", dtype=q.dtype)
+    calls = (lambda: flashtile.attention(q, k, v, causal=case[-1], return_lse=True, deterministic=True),
+             lambda: flashtile.attention(q, k, v, causal=case[-1]))
+    first = [call() for call in calls]
+    with torch.no_grad():
+        first_no_grad = flashtile.attention(q, k, v, causal=case[-1])
+    assert len(host.kept_calls()) == 3
+
+    def no_lookup(*args):
+        raise AssertionError("api.py's lookup ran for a call the extension keeps")
+    with monkeypatch.context() as patch:
+        patch.setattr(api, "_signature", no_lookup)
+        again = [call() for call in calls]
+        with torch.no_grad():
+            assert torch.equal(flashtile.attention(q, k, v, causal=case[-1]), first_no_grad)
+    assert torch.equal(again[0][0], first[0][0]) and torch.equal(again[0][1], first[0][1])
+    assert again[0][0].grad_fn.name() == "flashtile::AttentionBackward"
+    grads = [torch.autograd.grad(out, (q, k, v), dout) for out, _ in (again[0], first[0])]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert torch.equal(again[1], first[1]) and not again[1].isnan().any()
+    assert compare(q.detach(), k.detach(), v.detach(), first_no_grad, causal=case[-1]).ok
+    packed = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
+    q_odd = packed[1:].view(q.shape).copy_(q.detach())  # 2 bytes past an aligned address
+    with torch.no_grad():
+        assert torch.equal(flashtile.attention(q_odd, k.detach(), v.detach(), causal=case[-1]), first_no_grad)

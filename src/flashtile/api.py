@@ -172,10 +172,20 @@ def _run(call, q, k, v, grad: bool, return_lse: bool):
 
 # Input signature (shapes, strides, dtypes, devices, options, whether gradients are wanted) -> the
 # dispatch.PlannedCall (or, on the CPU, dispatch.GeneralCall) its first call produced. A repeated call checks
-# nothing again: everything the checks looked at is in the signature. Kept calls hold no tensors.
+# nothing again: everything the checks looked at is in the signature. Kept calls hold no tensors. Calls whose
+# whole run is C++ are kept in the extension's table too (host.keep), where a repeated call is found and run in
+# one crossing.
 _calls: dict[tuple, dispatch.PlannedCall | dispatch.GeneralCall] = {}
-MAX_CALLS = 4096  # inference over ever-new shapes (e.g. a growing KV length) must not grow the cache forever
+MAX_CALLS = host.MAX_KEPT_CALLS
 host.on_change(_calls.clear)  # when the host path changes (its build is ready), calls are planned again
+
+
+def clear_calls() -> None:
+    """Forget every kept call (this module's and the extension's): the next call of each signature plans anew."""
+    _calls.clear()
+    table = host.kept_calls()
+    if table is not None:
+        table.clear()
 
 
 _KEY_GRAD = 12  # the signature's field that says whether gradients are wanted
@@ -230,7 +240,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
     if alibi_slopes is None and not compiling:
         if softmax_scale is not None or window_size is not NO_WINDOW or softcap is not NO_SOFTCAP:
             softmax_scale, window_size, softcap = _key_forms(softmax_scale, window_size, softcap)
-        key = _signature(q, k, v, (causal, softmax_scale, window_size, softcap, return_lse, deterministic, rung))
+        options = (causal, softmax_scale, window_size, softcap, return_lse, deterministic, rung)
+        table = host.kept_calls()
+        if table is not None:
+            result = table.run(q, k, v, options)
+            if result is not None:
+                return result
+        key = _signature(q, k, v, options)
         call = _calls.get(key) if key is not None else None
         if call is not None and call.serves(q, k, v):
             return _run(call, q, k, v, key[_KEY_GRAD], return_lse)
@@ -269,6 +285,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
         if len(_calls) >= MAX_CALLS:
             _calls.clear()
         _calls[key] = kept
+        host.keep(q, k, v, options, kept)
     return _run(call, q, k, v, grad, return_lse)
 
 

@@ -53,6 +53,9 @@ _lock = threading.Lock()
 _on_change: list[Callable[[], None]] = []
 _poison = False
 _suspended = False
+_kept = None  # the extension's KeptCalls table (api.py's repeated calls), once the extension has loaded
+MAX_KEPT_CALLS = 4096  # signatures kept: inference over ever-new shapes (a growing KV length) must not grow forever
+OPTION_RETURN_LSE = 4  # api.attention's options tuple: (causal, scale, window, softcap, return_lse, deterministic, rung)
 
 
 def mode() -> str:
@@ -69,6 +72,8 @@ def on_change(listener: Callable[[], None]) -> None:
 
 
 def _changed() -> None:
+    if _kept is not None:
+        _kept.clear()
     for listener in _on_change:
         listener()
 
@@ -95,10 +100,31 @@ def set_poison(on: bool) -> None:
 
 
 def _loaded(module: ModuleType) -> ModuleType:
-    global _module
+    global _module, _kept
     module.set_poison(_poison)
+    _kept = module.KeptCalls(MAX_KEPT_CALLS)
     _module = module
     return module
+
+
+def kept_calls():
+    """The C++ table of kept calls (csrc/host.cpp's KeptCalls: a repeated call's lookup and run in one crossing),
+    or None while the Python path serves."""
+    return None if _suspended else _kept
+
+
+def keep(q, k, v, options: tuple, call) -> None:
+    """Keep `call`, planned for the signature of q, k, v and `options` (api.attention's), in the C++ table where
+    its whole run is C++: a planned CUDA call's host path, or torch's CPU kernel."""
+    table = kept_calls()
+    if table is None or call.host is None:
+        return
+    return_lse = options[OPTION_RETURN_LSE]
+    if isinstance(call.host, CpuKernel):
+        table.keep_cpu(q, k, v, options, call.host.scale, call.host.causal, return_lse)
+    else:
+        table.keep_cuda(q, k, v, options, call.host, return_lse)
+
 
 
 def can_build() -> bool:
@@ -219,6 +245,8 @@ class CpuKernel(NamedTuple):
     forward: Callable    # (q, k, v) -> (out, lse)
     backward: Callable   # (dout, q, k, v, out, lse) -> (dq, dk, dv)
     train: Callable      # (q, k, v) -> (out, lse), out carrying the C++ node whose backward is the kernel's
+    scale: float         # the options they were made for
+    causal: bool
 
 
 def cpu_kernel_of(problem) -> CpuKernel | None:
@@ -237,4 +265,4 @@ def cpu_kernel_of(problem) -> CpuKernel | None:
     scale, causal = problem.scale, right == 0
     return CpuKernel(lambda q, k, v: module.cpu_forward(q, k, v, scale, causal),
                      lambda dout, q, k, v, out, lse: module.cpu_backward(dout, q, k, v, out, lse, scale, causal),
-                     lambda q, k, v: module.cpu_train(q, k, v, scale, causal))
+                     lambda q, k, v: module.cpu_train(q, k, v, scale, causal), scale, causal)

@@ -28,6 +28,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -496,6 +497,123 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_train(const at::Tensor& q,
   return result;
 }
 
+// ---- Kept calls: a repeated call looked up and run in one crossing into C++ ---------------------------------------
+
+// api.attention keeps the call it planned for each input signature: the shapes, strides, dtypes and devices of q,
+// k and v, whether gradients are wanted, and the options. Where that call's whole run is C++ (a planned CUDA call's
+// host path, torch's CPU kernel), api.py keeps it here as well, so that a repeated call costs one crossing: its
+// signature is read, looked up and run here. Anything else (a miss) answers None, and api.py's own table serves.
+
+constexpr int kRank = 4;                    // attention()'s (batch, seqlen, heads, head dim) operands
+constexpr int kTensorFields = 3 + 2 * kRank;  // dtype, device type and index, sizes, strides
+
+struct Signature {
+  std::array<int64_t, 3 * kTensorFields> geometry;
+  bool grad;
+  Py_hash_t options_hash;
+  bool operator==(const Signature& other) const {
+    return grad == other.grad && options_hash == other.options_hash && geometry == other.geometry;
+  }
+};
+
+struct SignatureHash {
+  size_t operator()(const Signature& s) const {
+    size_t h = static_cast<size_t>(s.options_hash) * 2 + s.grad;
+    for (int64_t x : s.geometry) h = h * 1000003u ^ static_cast<size_t>(x);
+    return h;
+  }
+};
+
+// The operands as tensors and their signature, or nothing where one is not a rank-4 tensor or the options do not
+// hash (api.py's checks then say what is wrong).
+struct Operands {
+  at::Tensor q, k, v;
+  Signature signature;
+};
+
+std::optional<Operands> operands_of(py::handle q, py::handle k, py::handle v, py::handle options) {
+  for (py::handle t : {q, k, v})
+    if (!THPVariable_Check(t.ptr()) || THPVariable_Unpack(t.ptr()).dim() != kRank) return std::nullopt;
+  Operands o{THPVariable_Unpack(q.ptr()), THPVariable_Unpack(k.ptr()), THPVariable_Unpack(v.ptr()), {}};
+  const Py_hash_t options_hash = PyObject_Hash(options.ptr());
+  if (options_hash == -1) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  o.signature.options_hash = options_hash;
+  o.signature.grad = at::GradMode::is_enabled() && (o.q.requires_grad() || o.k.requires_grad() || o.v.requires_grad());
+  int64_t* field = o.signature.geometry.data();
+  for (const at::Tensor* t : {&o.q, &o.k, &o.v}) {
+    *field++ = static_cast<int64_t>(t->scalar_type());
+    *field++ = static_cast<int64_t>(t->device().type());
+    *field++ = t->device().index();
+    for (int d = 0; d < kRank; ++d) *field++ = t->size(d);
+    for (int d = 0; d < kRank; ++d) *field++ = t->stride(d);
+  }
+  return o;
+}
+
+// functorch's transforms (vmap, grad) wrap tensors in layers that ops.Attention handles; such calls stay in Python.
+bool functorch_active() {
+  const auto included = c10::impl::tls_local_dispatch_key_set().included_;
+  return included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
+         included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode);
+}
+
+struct KeptCall {
+  py::object options;               // compared with == where the hashes match
+  std::shared_ptr<Forward> cuda;    // a planned CUDA call's host path; null: torch's CPU kernel
+  double scale = 0.0;               // the CPU kernel's options
+  bool causal = false;
+  bool return_lse = false;
+};
+
+class KeptCalls {
+ public:
+  explicit KeptCalls(size_t capacity) : capacity(capacity) {}
+
+  // The kept call's result for these operands: out, or (out, lse) where the LSE is returned. None on a miss, or
+  // where api.py's path must decide: misaligned CUDA operands, a functorch transform, a CPU input that is not
+  // finite.
+  py::object run(py::handle q, py::handle k, py::handle v, py::handle options) {
+    auto operands = operands_of(q, k, v, options);
+    if (!operands || functorch_active()) return py::none();
+    auto found = calls.find(operands->signature);
+    if (found == calls.end() || !found->second.options.equal(options)) return py::none();
+    const KeptCall& call = found->second;
+    const Operands& o = *operands;
+    std::optional<std::pair<at::Tensor, at::Tensor>> result;
+    if (call.cuda) {
+      const auto addresses = reinterpret_cast<uintptr_t>(o.q.data_ptr()) | reinterpret_cast<uintptr_t>(o.k.data_ptr()) |
+                             reinterpret_cast<uintptr_t>(o.v.data_ptr());
+      if (addresses % kAlignBytes) return py::none();
+      result = o.signature.grad ? call.cuda->train(o.q, o.k, o.v) : call.cuda->run(o.q, o.k, o.v);
+    } else {
+      auto cpu = o.signature.grad ? cpu_train(o.q, o.k, o.v, call.scale, call.causal)
+                                  : cpu_forward(o.q, o.k, o.v, call.scale, call.causal);
+      if (!cpu) return py::none();
+      result = std::make_pair(std::get<0>(*cpu), std::get<1>(*cpu));
+    }
+    if (call.return_lse) return py::make_tuple(result->first, result->second);
+    return py::cast(result->first);
+  }
+
+  void keep(py::handle q, py::handle k, py::handle v, py::object options, KeptCall call) {
+    auto operands = operands_of(q, k, v, options);
+    if (!operands) return;
+    if (calls.size() >= capacity) calls.clear();
+    call.options = std::move(options);
+    calls.insert_or_assign(operands->signature, std::move(call));
+  }
+
+  void clear() { calls.clear(); }
+  size_t size() const { return calls.size(); }
+
+ private:
+  size_t capacity;
+  std::unordered_map<Signature, KeptCall, SignatureHash> calls;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -506,6 +624,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_poison", [](bool on) { poison_outputs = on; });
   py::class_<Backward, std::shared_ptr<Backward>>(m, "Backward").def("run", &Backward::run);
   py::class_<Forward, std::shared_ptr<Forward>>(m, "Forward").def("run", &Forward::run).def("train", &Forward::train);
+  py::class_<KeptCalls>(m, "KeptCalls")
+      .def(py::init<size_t>())
+      .def("run", &KeptCalls::run)
+      .def("keep_cuda",
+           [](KeptCalls& self, py::handle q, py::handle k, py::handle v, py::object options,
+              std::shared_ptr<Forward> forward, bool return_lse) {
+             self.keep(q, k, v, std::move(options), KeptCall{py::none(), std::move(forward), 0.0, false, return_lse});
+           })
+      .def("keep_cpu",
+           [](KeptCalls& self, py::handle q, py::handle k, py::handle v, py::object options, double scale,
+              bool causal, bool return_lse) {
+             self.keep(q, k, v, std::move(options), KeptCall{py::none(), nullptr, scale, causal, return_lse});
+           })
+      .def("clear", &KeptCalls::clear)
+      .def("__len__", &KeptCalls::size);
   // Built by functions, not bound constructors: see launches_of.
   m.def("make_backward", [](const py::list& steps, py::bytes packed, uintptr_t context, size_t bwd_addresses,
                             std::vector<int64_t> dout_stride, int64_t lse_floats, int64_t accum_floats,
