@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
-from flashtile import api, dispatch, host, launch, ops
+from flashtile import dispatch, host, launch, ops
 from flashtile.bench import measure, report
 from flashtile.bench.system import describe
 from flashtile.forward import FwdProblem
@@ -76,7 +76,8 @@ def pieces() -> dict:
     plan = call.forward_plan
     out, lse = plan.run(q, k, v)
     options = (True, None, (-1, -1), 0.0, False, False, "auto")
-    key = api._signature(q, k, v, options)
+    _no_grad(flashtile.attention, q, k, v, causal=True)  # kept: in the extension's table where it is built
+    table = host.kept_calls()
     driver = cuda_module("cuda.bindings.driver")
     step, args = plan.launches[0], launch._params_buffer  # the buffer holds the last run's params: a real launch
     argv = args.argv_address if plan.kv_box is None else args.argv2_address
@@ -89,8 +90,7 @@ def pieces() -> dict:
 
     return {
         "flashtile.attention, no_grad (whole call)": lambda: _no_grad(flashtile.attention, q, k, v, causal=True),
-        "api._signature": lambda: api._signature(q, k, v, options),
-        "the call cache's lookup": lambda: api._calls.get(key),
+        "the extension's kept call, looked up and run": lambda: _no_grad(table.run, q, k, v, options) if table else None,
         "FwdPlan.run (allocate out and lse, pack, launch)": lambda: plan.run(q, k, v),
         "the host path's forward (the same, in C++)": lambda: call.host.run(q, k, v) if call.host else None,
         "one launch (cuda.bindings' cuLaunchKernel)": one_launch,
