@@ -420,12 +420,13 @@ bool all_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 }
 
 // torch's CPU FlashAttention kernel on (b, s, h, d) operands where it computes flashtile's definition (no softcap,
-// ALiBi or window; causal only when seqlen_q == seqlen_k: the caller decides), as cpu_kernel.forward returns it:
-// contiguous (b, s_q, h_q, d) and an fp32 (b, h_q, s_q) LSE. None when an input holds a NaN or an Inf: the kernel's
+// ALiBi or window; causal only when seqlen_q == seqlen_k: the caller decides): a contiguous (b, s_q, h_q, d) output
+// (the kernel writes that layout) and an fp32 (b, h_q, s_q) LSE laid out as the kernel writes it, over
+// (b, s_q, h_q) memory, which its backward reads as it is. None when an input holds a NaN or an Inf: the kernel's
 // outputs do not show them as flashtile's rules want (often not at all: a finite LSE for a row that read a NaN
 // in q), and the Python path applies the rules. So the inputs are checked, not the outputs.
-std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& q, const at::Tensor& k,
-                                                               const at::Tensor& v, double scale, bool causal) {
+std::optional<std::tuple<at::Tensor, at::Tensor>> kernel_forward(const at::Tensor& q, const at::Tensor& k,
+                                                                 const at::Tensor& v, double scale, bool causal) {
   if (!all_finite(q, k, v)) return std::nullopt;
   // Below autograd's dispatch: nothing here is recorded (the callers switch gradients off), and a view or a
   // kernel then skips autograd's and the view tracker's layers. Safe because nothing here writes in place, and
@@ -434,7 +435,15 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& 
   auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q.transpose(1, 2), k.transpose(1, 2),
                                                                      v.transpose(1, 2), 0.0, causal, std::nullopt,
                                                                      scale);
-  return std::make_tuple(out.transpose(1, 2).contiguous(), lse.to(at::kFloat).contiguous());
+  return std::make_tuple(out.transpose(1, 2).contiguous(), lse.to(at::kFloat));
+}
+
+// kernel_forward as cpu_kernel.forward returns it, the LSE contiguous (it may reach the caller).
+std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v, double scale, bool causal) {
+  auto result = kernel_forward(q, k, v, scale, causal);
+  if (result) std::get<1>(*result) = std::get<1>(*result).contiguous();
+  return result;
 }
 
 // The kernel's backward for what cpu_forward returned: contiguous (dq, dk, dv) shaped like q, k, v.
@@ -479,12 +488,12 @@ struct CpuAttentionBackward : SavedOperands {
   }
 };
 
-// cpu_forward with that node on out (and lse without history); None as cpu_forward.
+// kernel_forward with that node on out (and lse without history, never returned); None as kernel_forward.
 std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_train(const at::Tensor& q, const at::Tensor& k,
                                                              const at::Tensor& v, double scale, bool causal) {
   auto result = [&] {
     at::AutoGradMode off(false);
-    return cpu_forward(q, k, v, scale, causal);
+    return kernel_forward(q, k, v, scale, causal);
   }();
   if (!result) return std::nullopt;
   auto& [out, lse] = *result;
@@ -590,8 +599,9 @@ class KeptCalls {
       result = o.signature.grad ? call.cuda->train(o.q, o.k, o.v) : call.cuda->run(o.q, o.k, o.v);
     } else {
       auto cpu = o.signature.grad ? cpu_train(o.q, o.k, o.v, call.scale, call.causal)
-                                  : cpu_forward(o.q, o.k, o.v, call.scale, call.causal);
+                                  : kernel_forward(o.q, o.k, o.v, call.scale, call.causal);
       if (!cpu) return py::none();
+      if (call.return_lse) std::get<1>(*cpu) = std::get<1>(*cpu).contiguous();
       result = std::make_pair(std::get<0>(*cpu), std::get<1>(*cpu));
     }
     if (call.return_lse) return py::make_tuple(result->first, result->second);
