@@ -5,6 +5,7 @@ import itertools
 import os
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
@@ -386,3 +387,27 @@ def test_a_kept_call_with_a_nonfinite_input_or_under_functorch_takes_pythons_pat
     flashtile.attention(q, k, v, causal=True)  # kept with gradients
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda q: flashtile.attention(q, k, v, causal=True).sum())(q.detach())
+
+
+def test_keep_hands_each_kind_of_call_to_its_table(monkeypatch):
+    """host.keep: a call without a host path is not kept; torch's CPU kernel goes in with its options, a planned
+    CUDA call with its C++ forward; both with whether the LSE is returned."""
+    kept = []
+
+    class Table:
+        def keep_cpu(self, *args):
+            kept.append(("cpu", *args[4:]))
+
+        def keep_cuda(self, *args):
+            kept.append(("cuda", *args[4:]))
+
+    monkeypatch.setattr(host, "_kept", Table())
+    monkeypatch.setattr(host, "_suspended", False)
+    q = torch.zeros(1, 2, 1, 8)
+    options = (True, None, (-1, -1), 0.0, False, False, "auto")
+    cpu = host.CpuKernel(None, None, None, 0.5, True)
+    forward = object()
+    host.keep(q, q, q, options, types.SimpleNamespace(host=None), False)
+    host.keep(q, q, q, options, types.SimpleNamespace(host=cpu), False)
+    host.keep(q, q, q, options, types.SimpleNamespace(host=forward), True)
+    assert kept == [("cpu", 0.5, True, False), ("cuda", forward, True)]

@@ -285,7 +285,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
         if len(_calls) >= MAX_CALLS:
             _calls.clear()
         _calls[key] = kept
-        host.keep(q, k, v, options, kept)
+        host.keep(q, k, v, options, kept, return_lse)
     return _run(call, q, k, v, grad, return_lse)
 
 

@@ -55,7 +55,6 @@ _poison = False
 _suspended = False
 _kept = None  # the extension's KeptCalls table (api.py's repeated calls), once the extension has loaded
 MAX_KEPT_CALLS = 4096  # signatures kept: inference over ever-new shapes (a growing KV length) must not grow forever
-OPTION_RETURN_LSE = 4  # api.attention's options tuple: (causal, scale, window, softcap, return_lse, deterministic, rung)
 
 
 def mode() -> str:
@@ -113,18 +112,17 @@ def kept_calls():
     return None if _suspended else _kept
 
 
-def keep(q, k, v, options: tuple, call) -> None:
+def keep(q, k, v, options: tuple, call, return_lse: bool) -> None:
     """Keep `call`, planned for the signature of q, k, v and `options` (api.attention's), in the C++ table where
-    its whole run is C++: a planned CUDA call's host path, or torch's CPU kernel."""
+    its whole run is C++: a planned CUDA call's host path, or torch's CPU kernel. A repeated call then answers
+    out, or (out, lse) where `return_lse`."""
     table = kept_calls()
     if table is None or call.host is None:
         return
-    return_lse = options[OPTION_RETURN_LSE]
     if isinstance(call.host, CpuKernel):
         table.keep_cpu(q, k, v, options, call.host.scale, call.host.causal, return_lse)
     else:
         table.keep_cuda(q, k, v, options, call.host, return_lse)
-
 
 
 def can_build() -> bool:

@@ -44,11 +44,11 @@ constexpr int kBlockN = FT_BLOCK_N;        // keys per tile                     
 constexpr int kStages = FT_STAGES;         // K/V stages in the ring                        } says why
 constexpr bool kPingPong = FT_PINGPONG;    // consumers take turns on the tensor cores
 constexpr bool kPersistent = FT_PERSISTENT;  // a block loops over work tiles; otherwise it takes one
+constexpr int kQBuffers = FT_Q_BUFFERS;      // persistent blocks: the next tile's Q lands while this one runs
 constexpr int kProducerRegisters = FT_PRODUCER_REGISTERS;  // per thread, after setmaxnreg
 constexpr int kConsumerRegisters = FT_CONSUMER_REGISTERS;
 
 constexpr int kConsumers = kBlockM / kWgmmaM;                   // consumer warpgroups
-constexpr int kQBuffers = FT_Q_BUFFERS;         // persistent blocks: the next tile's Q lands while this one runs
 constexpr int kWarpgroupThreads = kWarpgroupWarps * kWarpSize;
 constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;  // warpgroup 0 produces
 static_assert(kBlockM == kConsumers * kWgmmaM, "64 query rows per consumer warpgroup");
