@@ -261,3 +261,26 @@ def test_backward_head_groups_divide_the_heads(monkeypatch, heads_q, heads_kv, l
     module = SimpleNamespace(spec=SimpleNamespace(defines=(("FT_HEAD_DIM", head_dim),)))
     problem = SimpleNamespace(heads_q=heads_q, heads_kv=heads_kv)
     assert backward.kv_heads_per_launch(problem, module, rows) == expected
+
+
+@pytest.mark.parametrize("d", sorted(specs.HOPPER_FWD_TILES))
+def test_hopper_consumers_take_only_the_registers_the_producer_gives_back(d):
+    """setmaxnreg.inc waits for registers the block itself has freed: the consumers' raise must fit in what the
+    producer warpgroup's cut frees, or the block hangs."""
+    tile = specs.HOPPER_FWD_TILES[d]
+    defines = dict(specs.hopper_fwd_spec("bf16", d, d, tile).defines)
+    threads = specs.hopper_fwd_threads(tile.block_m)
+    start = specs.launch_registers(threads)
+    assert start * threads <= specs.REGISTER_FILE
+    producer, consumer = defines["FT_PRODUCER_REGISTERS"], defines["FT_CONSUMER_REGISTERS"]
+    freed = (start - producer) * specs.WARPGROUP_THREADS
+    assert (consumer - start) * tile.consumers * specs.WARPGROUP_THREADS <= freed
+    assert consumer % specs.REGISTER_STEP == 0 and producer % specs.REGISTER_STEP == 0
+    assert consumer + specs.REGISTER_STEP > start + freed // (tile.consumers * specs.WARPGROUP_THREADS)
+
+
+def test_consumer_registers_of_the_tables_blocks():
+    """Two consumers (384 threads start at 168 registers) reach 240, three (512 threads, 128) reach 160, with the
+    producer at 24; a producer at 32 leaves two consumers 232, not 240."""
+    assert (specs.consumer_registers(2), specs.consumer_registers(3)) == (240, 160)
+    assert specs.launch_registers(384) == 168 and specs.launch_registers(512) == 128

@@ -358,7 +358,7 @@ def decode_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, group_row
 # the tensor memory accelerator, and consumer warpgroups of 64 query rows each computing on wgmma. Tiles in
 # 128-byte swizzle blocks (the layout wgmma's descriptors read, and the one a TMA box of 64 columns writes); the
 # shared storage is aligned to the swizzle's 1024-byte period. Registers: 64K per SM at one block, moved by
-# setmaxnreg from the producer (24 per thread) to the consumers.
+# setmaxnreg from the producer warpgroup (PRODUCER_REGISTERS per thread) to the consumers.
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -384,8 +384,24 @@ def hopper_fwd_threads(block_m: int) -> int:
 WARPGROUP_THREADS = 128
 WIDE_BOX_COLS = 64             # one 128-byte swizzle block of 16-bit elements
 PRODUCER_REGISTERS = 24        # the producer holds a few addresses and counters
-# A consumer's registers: what 64K per SM leaves after the producer warpgroup's 128 x 24, rounded down to 8.
-CONSUMER_REGISTERS = {2: 240, 3: 160}
+REGISTER_FILE = 65536          # 32-bit registers per SM
+REGISTER_STEP = 8              # setmaxnreg and the compiler's per-thread allocation move in steps of 8
+
+
+def launch_registers(threads: int) -> int:
+    """Registers per thread the compiler gives a kernel of `threads` threads at one block per SM."""
+    return min(255, REGISTER_FILE // threads) // REGISTER_STEP * REGISTER_STEP
+
+
+def consumer_registers(consumers: int) -> int:
+    """A consumer's registers after setmaxnreg: the block starts with launch_registers each, and the consumers can
+    take only what the producer warpgroup gives back (setmaxnreg.inc waits until the block's own registers
+    free up, so asking for more hangs the block)."""
+    start = launch_registers((1 + consumers) * WARPGROUP_THREADS)
+    freed = (start - PRODUCER_REGISTERS) * WARPGROUP_THREADS
+    return (start + freed // (consumers * WARPGROUP_THREADS)) // REGISTER_STEP * REGISTER_STEP
+
+
 HOPPER_FWD_TILES = {
     64: HopperFwdTile(192, 128, 3, "three consumers (S 64 + O 32 + P 32 registers fit 160): more rows per K/V "
                                    "tile read; three stages beat two and four; 145 KB"),
@@ -421,7 +437,7 @@ def hopper_fwd_smem(d: int, dv: int, tile: HopperFwdTile) -> int:
 def hopper_fwd_spec(dtype: str, d: int, dv: int, tile: HopperFwdTile) -> KernelSpec:
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", tile.block_m), ("FT_BLOCK_N", tile.block_n),
                ("FT_STAGES", tile.stages), ("FT_PINGPONG", int(tile.pingpong)), ("FT_PRODUCER_REGISTERS", PRODUCER_REGISTERS),
-               ("FT_CONSUMER_REGISTERS", CONSUMER_REGISTERS[tile.consumers]), ("FT_PERSISTENT", int(tile.persistent)),
+               ("FT_CONSUMER_REGISTERS", consumer_registers(tile.consumers)), ("FT_PERSISTENT", int(tile.persistent)),
                ("FT_Q_BUFFERS", hopper_fwd_q_buffers(tile)))
     return KernelSpec("wgmma/fwd.cu", ("attn_fwd",), dtype, "sm_90a", defines, hopper_fwd_smem(d, dv, tile),
                       kv_maps=KvBox(tile.block_n, WIDE_BOX_COLS), q_map=KvBox(WGMMA_M, WIDE_BOX_COLS))
