@@ -141,18 +141,20 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps m
         Problem pr;
         Mask::Tiles tiles;
     };
+    const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
+    const int m_shift = (m_blocks * kBlockM - p.seqlen_q) / kWgmmaM * kWgmmaM;
     auto work_at = [&](int m_block, int h, int b) {
         Work w;
         w.h = h;
         w.b = b;
         w.pr = locate_problem(p, b, h);
-        w.m0 = m_block * kBlockM;
+        w.m0 = m_block * kBlockM - m_shift;
         w.m1 = min(w.m0 + kBlockM, w.pr.seqlen_q);
         const Mask mask(p.window_left, p.window_right, w.pr.seqlen_q, w.pr.seqlen_k);
-        w.tiles = w.m0 < w.pr.seqlen_q ? mask.key_tiles<kBlockN>(w.m0, w.m1) : Mask::Tiles{0, 0};
+        const int first_row = max(w.m0, 0);
+        w.tiles = first_row < w.m1 ? mask.key_tiles<kBlockN>(first_row, w.m1) : Mask::Tiles{0, 0};
         return w;
     };
-    const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
     const bool paired = kPersistent && p.window_left < 0 && p.window_right == 0;
     const int unit_blocks = paired ? ceil_div(m_blocks, 2) : m_blocks;  // query blocks' units per head
     const int units = unit_blocks * p.heads_q * p.batch;
@@ -367,7 +369,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps m
         // passes on: it hands their ring slots back once they have landed (an early release would count toward the
         // slot's previous round) and takes its turns without products, so the turns keep their order.
         const int row1 = min(row0 + kWgmmaM, pr.seqlen_q);
-        const Mask::Tiles own = row0 < row1 ? mask.key_tiles<kBlockN>(row0, row1) : Mask::Tiles{0, 0};
+        const Mask::Tiles own = 0 <= row0 && row0 < row1 ? mask.key_tiles<kBlockN>(row0, row1) : Mask::Tiles{0, 0};
         const int lo = own.count > 0 ? (own.begin - n_begin) / kBlockN : n_tiles;
         const int hi = own.count > 0 ? lo + own.count : n_tiles;
         auto pass = [&](int it) {
@@ -461,7 +463,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps m
                     *reinterpret_cast<u32*>(q_rows + QTile::offset(local_row, n * kOutN + j * kMmaN + 2 * t)) =
                         pack2<elem_t>(o[n][4 * j + 2 * half] * inv_l, o[n][4 * j + 2 * half + 1] * inv_l);
             const int row = row0 + local_row;
-            if (p.lse != nullptr && t == 0 && row < pr.seqlen_q)
+            if (p.lse != nullptr && t == 0 && 0 <= row && row < pr.seqlen_q)
                 p.lse[pr.lse_offset + row] =
                     saw_keys(l) ? (row_max[half] * log2_factor + __log2f(l)) / kLog2e : kNegInf;
         }
@@ -471,7 +473,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps m
         for (int idx = tid; idx < kWgmmaM * kVecsPerRow; idx += kWarpgroupThreads) {
             const int local_row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
             const int row = row0 + local_row;
-            if (row < pr.seqlen_q && col < p.head_dim_v)
+            if (0 <= row && row < pr.seqlen_q && col < p.head_dim_v)
                 *reinterpret_cast<uint4*>(out + (i64)row * p.o_row_stride + col) =
                     *reinterpret_cast<const uint4*>(q_rows + QTile::offset(local_row, col));
         }
