@@ -298,18 +298,25 @@ def test_the_cpu_kernel_call_is_not_taken_where_the_kernel_does_not_serve(monkey
 
 @needs_build
 def test_the_extensions_finite_check_finds_every_nonfinite_kind(monkeypatch):
+    """host.cpp's check: a bit scan of contiguous tensors (in chunks of 2^18 elements for 16-bit ones past that),
+    the sum of 32- and 64-bit tensors past 2^18 elements and of strided views. Every NaN (either sign) and Inf is
+    found wherever it sits, and the largest finite values and subnormals are not mistaken for one."""
     monkeypatch.setenv(host.MODE_ENV, "on")
     module = host.extension()
-    for dtype, columns in itertools.product((torch.float32, torch.float64, torch.bfloat16, torch.float16),
-                                            (100, 7000)):  # checked element by element, and by the sum
-        x = torch.randn(3, columns).to(dtype)
-        assert module.all_finite(x, x.t(), x[:, ::2])
-        for bad in (float("nan"), float("inf"), float("-inf")):
-            y = x.clone()
-            y[2, columns - 1] = bad
-            assert not module.all_finite(x, x, y) and not module.all_finite(y.t(), x, x)
-        largest = torch.tensor([torch.finfo(dtype).max, torch.finfo(dtype).tiny], dtype=dtype)
-        assert module.all_finite(largest, x, x)
+    chunk = 1 << 18
+    for dtype, numel in itertools.product((torch.float32, torch.float64, torch.bfloat16, torch.float16),
+                                          (100, 7000, chunk + 5000)):
+        x = torch.randn(numel).to(dtype)
+        assert module.all_finite(x, x[::2], x.view(-1, 100 if numel % 100 == 0 else 1).t())
+        for at in sorted({0, min(chunk - 1, numel - 1), min(chunk, numel - 1), numel - 1}):
+            for bad in (float("nan"), -float("nan"), float("inf"), float("-inf")):
+                y = x.clone()
+                y[at] = bad
+                assert not module.all_finite(x, x, y), (dtype, numel, at, bad)
+                assert not module.all_finite(y[::2] if at % 2 == 0 else y[1::2], x, x), (dtype, numel, at, bad)
+        info = torch.finfo(dtype)
+        extremes = torch.tensor([info.max, -info.max, info.tiny, info.tiny / 4, -info.tiny / 4, 0.0, -0.0], dtype=dtype)
+        assert module.all_finite(extremes, x, x)
 
 
 # ---- The extension's kept calls (a repeated call found and run in one crossing) --------------------------------------
