@@ -27,67 +27,40 @@ WIDTH = 2048  # heads x head_dim
 
 
 def child(label: str, backward: bool, rows: list[str]) -> None:
+    import contextlib
+
     import torch
 
-    from flashtile.bench import measure
+    import flashtile
+    from flashtile.bench import measure, peers
 
     result = {}
     for i, row in enumerate([rows[0]] + rows):
         d, n, causal = (int(x) for x in row.split(","))
+        causal = bool(causal)
         heads, batch = WIDTH // d, max(1, TOKENS // n)
         q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = measure.attention_flops(batch, heads, n, n, d, causal=bool(causal), backward=backward)
+        flops = measure.attention_flops(batch, heads, n, n, d, causal=causal, backward=backward)
         if backward:
-            ours, cudnn, error = time_backward(q, k, v, bool(causal))
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            ours = peers.backward_runner(lambda: flashtile.attention(*leaves, causal=causal), leaves)
+            cudnn = peers.sdpa_backward_runner("sdpa-cudnn", q, k, v, causal)
+            dout = torch.randn_like(q)
+            flash = peers.sdpa_runner("sdpa-flash", *leaves, causal)
+            expected = torch.autograd.grad(flash(), leaves, dout.transpose(1, 2))
+            got = torch.autograd.grad(flashtile.attention(*leaves, causal=causal), leaves, dout)
+            error = max((g - e).abs().max().item() for g, e in zip(got, expected))
         else:
-            ours, cudnn, error = time_forward(q, k, v, bool(causal))
+            ours = lambda: flashtile.attention(q, k, v, causal=causal)  # noqa: E731
+            cudnn = peers.sdpa_runner("sdpa-cudnn", q, k, v, causal)
+            with torch.no_grad():
+                expected = peers.sdpa_runner("sdpa-flash", q, k, v, causal)().transpose(1, 2)
+                error = (ours() - expected).abs().max().item()
+        with contextlib.nullcontext() if backward else torch.no_grad():
+            ours_ms, cudnn_ms = measure.time_cuda(ours), measure.time_cuda(cudnn)
         if i > 0:
-            result[row] = [round(flops / ours / 1e9), round(flops / cudnn / 1e9), round(error, 4)]
+            result[row] = [round(flops / ours_ms / 1e9), round(flops / cudnn_ms / 1e9), round(error, 4)]
     print(label, json.dumps(result), flush=True)
-
-
-def time_forward(q, k, v, causal):
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    import flashtile
-    from flashtile.bench import measure
-
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    with torch.no_grad():
-        ours = measure.time_cuda(lambda: flashtile.attention(q, k, v, causal=causal))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            cudnn = measure.time_cuda(lambda: sdpa(qt, kt, vt, is_causal=causal))
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            expected = sdpa(qt, kt, vt, is_causal=causal).transpose(1, 2)
-        error = (flashtile.attention(q, k, v, causal=causal) - expected).abs().max().item()
-    return ours, cudnn, error
-
-
-def time_backward(q, k, v, causal):
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    import flashtile
-    from flashtile.bench import measure
-
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    heads_first = [x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v)]
-    dout = torch.randn_like(q)
-    out = flashtile.attention(*leaves, causal=causal)
-    ours = measure.time_cuda(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
-    grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        peer_out = sdpa(*heads_first, is_causal=causal)
-        cudnn = measure.time_cuda(lambda: torch.autograd.grad(peer_out, heads_first, dout.transpose(1, 2),
-                                                               retain_graph=True))
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        flash_out = sdpa(*heads_first, is_causal=causal)
-        expected = torch.autograd.grad(flash_out, heads_first, dout.transpose(1, 2))
-    error = max((g - e.transpose(1, 2)).abs().max().item() for g, e in zip(grads, expected))
-    return ours, cudnn, error
 
 
 def main(argv: list[str]) -> None:
