@@ -141,9 +141,9 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps m
         Problem pr;
         Mask::Tiles tiles;
     };
-    const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
-    const int m_shift = (m_blocks * kBlockM - p.seqlen_q) / kWgmmaM * kWgmmaM;
     auto work_at = [&](int m_block, int h, int b) {
+        const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
+        const int m_shift = (m_blocks * kBlockM - p.seqlen_q) / kWgmmaM * kWgmmaM;
         Work w;
         w.h = h;
         w.b = b;
@@ -155,28 +155,29 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps m
         w.tiles = first_row < w.m1 ? mask.key_tiles<kBlockN>(first_row, w.m1) : Mask::Tiles{0, 0};
         return w;
     };
-    const bool paired = kPersistent && p.window_left < 0 && p.window_right == 0;
-    const int unit_blocks = paired ? ceil_div(m_blocks, 2) : m_blocks;  // query blocks' units per head
-    const int units = unit_blocks * p.heads_q * p.batch;
-    // A causal unit's second tile, unless the first was the middle query block of an odd count.
-    auto tiles_in = [&](int unit) { return paired && 2 * (unit % unit_blocks) + 1 != m_blocks ? 2 : 1; };
-    auto work = [&](int unit, int part) {
-        const int j = unit % unit_blocks, hb = unit / unit_blocks;
-        return work_at(part == 0 ? m_blocks - 1 - j : j, hb % p.heads_q, hb / p.heads_q);
-    };
     // One tile: heaviest first (under a causal mask the last query block sees the most keys).
     const Work single = kPersistent ? Work{} : work_at(gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z);
     if (!kPersistent && single.m0 >= single.pr.seqlen_q) return;
     // body(work tile, kv_base, n) over this block's tiles in order, the n-th of them taking Q buffer n % kQBuffers.
+    // The schedule's numbers are worked out where each role runs it, not kept from the kernel's start.
     auto for_each_tile = [&](auto&& body) {
         if constexpr (kPersistent) {
+            const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
+            const bool paired = p.window_left < 0 && p.window_right == 0;
+            const int unit_blocks = paired ? ceil_div(m_blocks, 2) : m_blocks;  // query blocks' units per head
+            const int units = unit_blocks * p.heads_q * p.batch;
             int kv_base = 0, n = 0;
-            for (int unit = blockIdx.x; unit < units; unit += gridDim.x)
-                for (int part = 0; part < tiles_in(unit); ++part, ++n) {
-                    const Work w = work(unit, part);
+            for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+                const int j = unit % unit_blocks, hb = unit / unit_blocks;
+                // A causal unit's second tile, unless the first was the middle query block of an odd count.
+                const int parts = paired && 2 * j + 1 != m_blocks ? 2 : 1;
+                for (int part = 0; part < parts; ++part, ++n) {
+                    const Work w = work_at(part == 0 ? m_blocks - 1 - j : j, hb % p.heads_q, hb / p.heads_q);
+                    const int next_base = kv_base + w.tiles.count;
                     body(w, kv_base, n);
-                    kv_base += w.tiles.count;
+                    kv_base = next_base;
                 }
+            }
         } else {
             body(single, 0, 0);
         }
@@ -448,6 +449,9 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps m
         }
         for (int it = hi; it < n_tiles; ++it) pass(it);
 
+        // The epilogue works its offsets (and its Q buffer's mbarrier address) out again rather than keep them live
+        // through the loop, as the schedule above does with its numbers: the loop keeps those registers.
+        const Problem late = locate_problem(p, w.b, w.h);
         // Epilogue: normalise, stage this warpgroup's rows of O over its rows of Q (its products are done with them),
         // store 16 bytes at a time, hand the buffer back to the producer.
         elem_t* q_rows = smem.q[buffer][consumer];
@@ -463,23 +467,23 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps m
                     *reinterpret_cast<u32*>(q_rows + QTile::offset(local_row, n * kOutN + j * kMmaN + 2 * t)) =
                         pack2<elem_t>(o[n][4 * j + 2 * half] * inv_l, o[n][4 * j + 2 * half + 1] * inv_l);
             const int row = row0 + local_row;
-            if (p.lse != nullptr && t == 0 && 0 <= row && row < pr.seqlen_q)
-                p.lse[pr.lse_offset + row] =
+            if (p.lse != nullptr && t == 0 && 0 <= row && row < late.seqlen_q)
+                p.lse[late.lse_offset + row] =
                     saw_keys(l) ? (row_max[half] * log2_factor + __log2f(l)) / kLog2e : kNegInf;
         }
         named_barrier_sync(barrier, kWarpgroupThreads);
-        elem_t* out = static_cast<elem_t*>(p.o) + pr.o_offset;
+        elem_t* out = static_cast<elem_t*>(p.o) + late.o_offset;
         constexpr int kVecsPerRow = kHeadDimV / kElemsPerVector;
         for (int idx = tid; idx < kWgmmaM * kVecsPerRow; idx += kWarpgroupThreads) {
             const int local_row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
             const int row = row0 + local_row;
-            if (0 <= row && row < pr.seqlen_q && col < p.head_dim_v)
+            if (0 <= row && row < late.seqlen_q && col < p.head_dim_v)
                 *reinterpret_cast<uint4*>(out + (i64)row * p.o_row_stride + col) =
                     *reinterpret_cast<const uint4*>(q_rows + QTile::offset(local_row, col));
         }
         fence_proxy_async();  // these reads come before the copy engine's writes of the buffer's next Q
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(q_empty + buffer * kMbarrierBytes);
+        if (lane == 0) mbarrier_arrive(smem_addr(&smem.q_empty[buffer]));
     };
     for_each_tile(consume);
     if (kPingPong && took_turns && consumer == 0) turn_begin();  // the last round's pass, which nobody else takes
