@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import sys
 import sysconfig
 import threading
 import warnings
@@ -38,6 +39,14 @@ MODE_ENV = "FLASHTILE_HOST"
 MODES = ("auto", "on", "off")
 SOURCE = Path(__file__).parent / "csrc" / "host.cpp"
 COMPILE_FLAGS = ["-O2"]
+# at::parallel_for is inline code: compiled without OpenMP it runs its whole range on the calling thread. Where
+# torch's own backend is OpenMP (Linux builds), the extension is compiled with it, and its libgomp.so.1 is the one
+# torch has loaded (the loader matches the name).
+OPENMP_FLAGS = ["-fopenmp"]
+
+
+def _openmp_flags() -> list[str]:
+    return OPENMP_FLAGS if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
 BUILD_LOCK_TIMEOUT_S = 300.0  # another process's build takes well under this; past it this one gives up
 TORCH_BUILD_MARKER = "lock"   # torch.utils.cpp_extension's file while a build runs
 
@@ -132,7 +141,8 @@ def can_build() -> bool:
 
 
 def build_dir() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    flags = " ".join(COMPILE_FLAGS + _openmp_flags())
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     return jit.cache_dir() / "host" / digest
 
 
@@ -146,7 +156,8 @@ def _build() -> ModuleType:
     folder.mkdir(parents=True, exist_ok=True)
     with FileLock(folder / "flashtile.lock", timeout=BUILD_LOCK_TIMEOUT_S):
         (folder / TORCH_BUILD_MARKER).unlink(missing_ok=True)
-        return cpp_extension.load(f"flashtile_host_{folder.name}", [str(SOURCE)], extra_cflags=COMPILE_FLAGS,
+        return cpp_extension.load(f"flashtile_host_{folder.name}", [str(SOURCE)],
+                                  extra_cflags=COMPILE_FLAGS + _openmp_flags(), extra_ldflags=_openmp_flags(),
                                   build_directory=str(folder), verbose=False)
 
 
@@ -237,30 +248,34 @@ def forward_of(plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device:
 
 
 class CpuKernel(NamedTuple):
-    """The C++ calls of torch's CPU kernel for one problem's options; each returns None when an input is not
-    finite (the general path's rules then serve)."""
+    """The C++ calls of the CPU kernels for one problem's options: host.cpp's own kernel for small problems,
+    torch's elsewhere. Each returns None where torch's kernel would take an input that is not finite, and the
+    backward where it would take a gradient of the LSE (the general path's rules then serve); the own kernel
+    takes both."""
 
     forward: Callable    # (q, k, v) -> (out, lse)
-    backward: Callable   # (dout, q, k, v, out, lse) -> (dq, dk, dv)
+    backward: Callable   # (dout, q, k, v, out, lse, dlse or None) -> (dq, dk, dv)
     train: Callable      # (q, k, v) -> (out, lse), out carrying the C++ node whose backward is the kernel's
     scale: float         # the options they were made for
     causal: bool
 
 
 def cpu_kernel_of(problem) -> CpuKernel | None:
-    """The C++ calls of torch's CPU kernel for a CPU problem it computes as flashtile defines it (square under a
-    causal mask), or None where the general path serves every call: no extension, or the kernel does not serve
-    the problem."""
+    """The C++ calls of the CPU kernels for a CPU problem one of them computes as flashtile defines it (host.cpp's
+    own kernel for small problems, any causal shape; torch's where the problem is square under a causal mask),
+    or None where the general path serves every call: no extension, or neither kernel serves the problem."""
     q, k, v = problem.q, problem.k, problem.v
     left, right = problem.window
     if problem.varlen or not cpu_kernel.serves(q, k, v, left, right, problem.softcap, problem.alibi_slopes):
         return None
-    if right == 0 and q.shape[1] != k.shape[1]:  # the kernel's causal mask is top-left aligned: square only
-        return None
     module = extension()
     if module is None:
         return None
+    # torch's kernel's causal mask is top-left aligned: it serves square problems only
+    if right == 0 and q.shape[1] != k.shape[1] and not module.own_kernel_serves(q, k, v):
+        return None
     scale, causal = problem.scale, right == 0
     return CpuKernel(lambda q, k, v: module.cpu_forward(q, k, v, scale, causal),
-                     lambda dout, q, k, v, out, lse: module.cpu_backward(dout, q, k, v, out, lse, scale, causal),
+                     lambda dout, q, k, v, out, lse, dlse: module.cpu_backward(dout, q, k, v, out, lse, dlse, scale,
+                                                                              causal),
                      lambda q, k, v: module.cpu_train(q, k, v, scale, causal), scale, causal)
