@@ -42,11 +42,12 @@ COMPILE_FLAGS = ["-O2"]
 # at::parallel_for is inline code: compiled without OpenMP it runs its whole range on the calling thread. Where
 # torch's own backend is OpenMP (Linux builds), the extension is compiled with it, and its libgomp.so.1 is the one
 # torch has loaded (the loader matches the name).
-OPENMP_FLAGS = ["-fopenmp"]
+OPENMP_FLAGS = ("-fopenmp",)
 
 
 def _openmp_flags() -> list[str]:
-    return OPENMP_FLAGS if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
+    """A new list each call: torch's build appends to the lists it is given."""
+    return list(OPENMP_FLAGS) if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
 BUILD_LOCK_TIMEOUT_S = 300.0  # another process's build takes well under this; past it this one gives up
 TORCH_BUILD_MARKER = "lock"   # torch.utils.cpp_extension's file while a build runs
 
