@@ -19,9 +19,11 @@ the cache folder). ``FLASHTILE_HOST`` chooses:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import threading
@@ -40,14 +42,11 @@ MODES = ("auto", "on", "off")
 SOURCE = Path(__file__).parent / "csrc" / "host.cpp"
 COMPILE_FLAGS = ["-O2"]
 # at::parallel_for is inline code: compiled without OpenMP it runs its whole range on the calling thread. Where
-# torch's own backend is OpenMP (Linux builds), the extension is compiled with it, and its libgomp.so.1 is the one
-# torch has loaded (the loader matches the name).
+# torch's own backend is OpenMP (its Linux builds) and the compiler is GCC (whose OpenMP needs nothing more
+# installed), the extension is compiled with it; the libgomp.so.1 it names is the one torch has loaded (the
+# loader matches the name). Elsewhere host.cpp's CPU kernel runs on one thread, correct but slower.
 OPENMP_FLAGS = ("-fopenmp",)
-
-
-def _openmp_flags() -> list[str]:
-    """A new list each call: torch's build appends to the lists it is given."""
-    return list(OPENMP_FLAGS) if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
+GCC_SIGNATURE = "Free Software Foundation"  # what `g++ --version` prints and Clang's does not
 BUILD_LOCK_TIMEOUT_S = 300.0  # another process's build takes well under this; past it this one gives up
 TORCH_BUILD_MARKER = "lock"   # torch.utils.cpp_extension's file while a build runs
 
@@ -133,6 +132,21 @@ def keep(q, k, v, options: tuple, call, return_lse: bool) -> None:
         table.keep_cpu(q, k, v, options, call.host.scale, call.host.causal, return_lse)
     else:
         table.keep_cuda(q, k, v, options, call.host, return_lse)
+
+
+@functools.cache
+def _compiler_is_gcc() -> bool:
+    try:
+        done = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return GCC_SIGNATURE in done.stdout
+
+
+def _openmp_flags() -> list[str]:
+    """A new list each call: torch's build appends to the lists it is given."""
+    wanted = sys.platform.startswith("linux") and torch.backends.openmp.is_available() and _compiler_is_gcc()
+    return list(OPENMP_FLAGS) if wanted else []
 
 
 def can_build() -> bool:

@@ -677,6 +677,23 @@ static void product_tn(const double* a, int64_t lda, const double* b, int64_t ld
   product_tn_any(a, lda, b, ldb, c, ldc, rows, cols, width);
 }
 
+// The dot product of two vectors of n elements (n a multiple of kLanes), in kLanes partial sums: one chain of n
+// dependent adds would take longer than the products around it.
+template <class Acc>
+FT_KERNEL_INLINE Acc row_dot_t(const Acc* a, const Acc* b, int64_t n) {
+  Acc lanes[kLanes] = {};
+  for (int64_t e0 = 0; e0 < n; e0 += kLanes) {
+    for (int64_t t = 0; t < kLanes; ++t) lanes[t] += a[e0 + t] * b[e0 + t];
+  }
+  Acc total = 0;
+  for (int64_t t = 0; t < kLanes; ++t) total += lanes[t];
+  return total;
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static float row_dot(const float* a, const float* b, int64_t n) {
+  return row_dot_t(a, b, n);
+}
+static double row_dot(const double* a, const double* b, int64_t n) { return row_dot_t(a, b, n); }
+
 // softmax_row_t and gradient_row_t over the kBlockRows rows of a block (row r at s + r * ld), `visible[r]` keys
 // each: one call a block.
 template <class Acc>
@@ -926,7 +943,7 @@ FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Ten
   at::parallel_for(0, items, std::max<int64_t>(1, kParallelWork / item_work), [&](int64_t first, int64_t last) {
     KeysValues<Acc> kv(p, true);
     std::vector<Acc> q_block(kBlockRows * p.dim_padded), q_finite(kBlockRows * p.dim_padded),
-        dout_block(kBlockRows * p.dim_padded), dq_block(kBlockRows * p.dim_padded), out_line(p.dim),
+        dout_block(kBlockRows * p.dim_padded), dq_block(kBlockRows * p.dim_padded), out_line(p.dim_padded),
         weights(kBlockRows * p.keys_padded), grads(kBlockRows * p.keys_padded),
         dk_acc(p.keys_padded * p.dim_padded), dv_acc(p.keys_padded * p.dim_padded);
     for (int64_t item = first; item < last; ++item) {
@@ -963,8 +980,7 @@ FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Ten
             Acc* dout_line = dout_block.data() + r * p.dim_padded;
             load_vector(dout.at(b, i, h), dout.sd, p.dim, dout_line);
             load_vector(out.at(b, i, h), out.sd, p.dim, out_line.data());
-            Acc d = 0;
-            for (int64_t e = 0; e < p.dim; ++e) d += dout_line[e] * out_line[e];
+            Acc d = row_dot(dout_line, out_line.data(), p.dim_padded);
             if (dlse_.defined()) d -= dlse.at<Acc>(b, h, i);
             delta[r] = d;
             const Acc row_lse = lse.at<Acc>(b, h, i);
