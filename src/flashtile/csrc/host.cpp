@@ -585,15 +585,15 @@ FT_KERNEL_INLINE float exp2_of(float x) {
   const int32_t power_bits = (shifted_bits - shift_bits + kExponentBias) << kMantissaBits;
   float power;
   std::memcpy(&power, &power_bits, sizeof(float));
-  const float l = static_cast<float>(kLn2);
-  float poly = l / 5040.0f;
-  poly = poly * f + 1.0f / 720.0f;
-  poly = poly * f * l + 1.0f / 120.0f;
-  poly = poly * f * l + 1.0f / 24.0f;
-  poly = poly * f * l + 1.0f / 6.0f;
-  poly = poly * f * l + 0.5f;
-  poly = poly * f * l + 1.0f;
-  poly = poly * f * l + 1.0f;
+  const float g = f * static_cast<float>(kLn2);  // 2^f = e^g
+  float poly = 1.0f / 5040.0f;
+  poly = poly * g + 1.0f / 720.0f;
+  poly = poly * g + 1.0f / 120.0f;
+  poly = poly * g + 1.0f / 24.0f;
+  poly = poly * g + 1.0f / 6.0f;
+  poly = poly * g + 0.5f;
+  poly = poly * g + 1.0f;
+  poly = poly * g + 1.0f;
   const float value = poly * power;
   return x < kExp2Min ? 0.0f : (x != x ? x : value);
 }
