@@ -6,8 +6,9 @@ fp32 unless a row says bf16, torch's default threads. Every round runs each cont
 (bench.measure.time_cpu), so that load from other processes falls on all of them alike; the table gives medians
 over the rounds (ms) and the speed-up of flashtile over SDPA (SDPA's time / flashtile's: 1.00x or more is at
 least as fast). A contender that takes less than SAMPLE_MS runs several times per sample, so that the clock's
-resolution and one stray interrupt do not decide a row. The loop columns force flashtile's chunked PyTorch loop (what serves softcap, ALiBi, windows) on the
-same shapes. `max_seqlen` keeps only the rows up to that sequence length.
+resolution and one stray interrupt do not decide a row. The loop columns force flashtile's chunked PyTorch
+loop (what serves softcap, ALiBi, windows) on the same shapes. `max_seqlen` keeps only the rows up to that
+sequence length.
 """
 
 import os

@@ -317,7 +317,7 @@ OWN_CASES = [
     (1, 45, 20, 4, 1, 24, True, torch.float32),     # more queries than keys: the first 25 rows see no key
     (1, 33, 33, 2, 2, 8, True, torch.float16),
     (1, 16, 16, 16, 16, 128, True, torch.float32),
-    (3, 1, 17, 6, 3, 40, False, torch.bfloat16),
+    (3, 5, 17, 6, 3, 40, False, torch.bfloat16),
     (1, 128, 128, 2, 2, 64, True, torch.float32),
 ]
 
@@ -372,6 +372,24 @@ def test_the_own_kernels_training_call_records_the_cpu_node_and_reads_any_stride
         results.append((out.detach(), *torch.autograd.grad(out, operands, dout)))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@needs_build
+def test_the_own_kernel_leaves_to_torchs_kernel_what_it_measured_slower_at(monkeypatch):
+    """host.cpp's limits: too few queries to spread each head's copy of K and V over (decoding), too much K and V
+    to copy from cache, too many keys or too much work a head. Those calls keep torch's kernel (square or not
+    causal) or the general path."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    module = host.extension()
+
+    def serves(batch, sq, sk, hq, hkv, d):
+        return module.own_kernel_serves(torch.zeros(batch, sq, hq, d), torch.zeros(batch, sk, hkv, d),
+                                        torch.zeros(batch, sk, hkv, d))
+    assert serves(1, 8, 8, 2, 2, 16) and serves(1, 128, 128, 8, 8, 64) and serves(1, 4, 200, 4, 1, 64)
+    assert not serves(8, 1, 128, 32, 32, 128)      # decoding: one query a head
+    assert not serves(8, 16, 128, 32, 32, 128)     # 4M elements of K
+    assert not serves(1, 16, OWN_SEQLEN + 1, 2, 2, 16)
+    assert not serves(1, 128, 128, 2, 2, 128)      # 2M multiply-adds a head
 
 
 OWN_NONFINITE_CASES = [(setup, poison) for setup, poison in NONFINITE_CASES

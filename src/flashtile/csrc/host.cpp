@@ -458,7 +458,7 @@ bool all_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 
 // ---- The CPU's own kernel for small problems -----------------------------------------------------------------
 
-// Below a few hundred thousand multiply-adds a head, torch's fused kernel spends most of a call on fixed costs
+// Up to about a million multiply-adds a head, torch's fused kernel spends much of a call on fixed costs
 // (its buffers, its blocking, a GEMM call per block), and its inputs must be scanned for NaN and Inf first. This
 // kernel serves those problems whole: flashtile's definition (reference.py), bottom-right causal masks of any
 // shape, GQA, fp32/fp64/bf16/fp16 operands of any strides, computed in fp32 (fp64 for fp64). It reads every input
@@ -694,33 +694,38 @@ FT_CPU_CLONES FT_KERNEL_OPTIONS static float row_dot(const float* a, const float
 }
 static double row_dot(const double* a, const double* b, int64_t n) { return row_dot_t(a, b, n); }
 
-// softmax_row_t and gradient_row_t over the kBlockRows rows of a block (row r at s + r * ld), `visible[r]` keys
-// each: one call a block.
+// softmax_row_t and gradient_row_t over the first `rows` rows of a block (row r at s + r * ld), `visible[r]`
+// keys each: one call a block.
 template <class Acc>
-FT_KERNEL_INLINE void softmax_block_t(Acc* s, int64_t ld, const int64_t* visible, int64_t width, Acc* largest,
-                                      Acc* total) {
-  for (int64_t r = 0; r < kBlockRows; ++r) std::tie(largest[r], total[r]) = softmax_row_t(s + r * ld, visible[r], width);
+FT_KERNEL_INLINE void softmax_block_t(Acc* s, int64_t ld, int64_t rows, const int64_t* visible, int64_t width,
+                                      Acc* largest, Acc* total) {
+  for (int64_t r = 0; r < rows; ++r) {
+    std::tie(largest[r], total[r]) = softmax_row_t(s + r * ld, visible[r], width);
+  }
 }
 template <class Acc>
-FT_KERNEL_INLINE void gradient_block_t(Acc* s, Acc* dp, int64_t ld, const Acc* lse2, const Acc* delta,
+FT_KERNEL_INLINE void gradient_block_t(Acc* s, Acc* dp, int64_t ld, int64_t rows, const Acc* lse2, const Acc* delta,
                                        const int64_t* visible, int64_t width) {
-  for (int64_t r = 0; r < kBlockRows; ++r) gradient_row_t(s + r * ld, dp + r * ld, lse2[r], delta[r], visible[r], width);
+  for (int64_t r = 0; r < rows; ++r) {
+    gradient_row_t(s + r * ld, dp + r * ld, lse2[r], delta[r], visible[r], width);
+  }
 }
-FT_CPU_CLONES FT_KERNEL_OPTIONS static void softmax_block(float* s, int64_t ld, const int64_t* visible, int64_t width,
-                                                          float* largest, float* total) {
-  softmax_block_t(s, ld, visible, width, largest, total);
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void softmax_block(float* s, int64_t ld, int64_t rows, const int64_t* visible,
+                                                          int64_t width, float* largest, float* total) {
+  softmax_block_t(s, ld, rows, visible, width, largest, total);
 }
-static void softmax_block(double* s, int64_t ld, const int64_t* visible, int64_t width, double* largest,
+static void softmax_block(double* s, int64_t ld, int64_t rows, const int64_t* visible, int64_t width, double* largest,
                           double* total) {
-  softmax_block_t(s, ld, visible, width, largest, total);
+  softmax_block_t(s, ld, rows, visible, width, largest, total);
 }
-FT_CPU_CLONES FT_KERNEL_OPTIONS static void gradient_block(float* s, float* dp, int64_t ld, const float* lse2,
-                                                           const float* delta, const int64_t* visible, int64_t width) {
-  gradient_block_t(s, dp, ld, lse2, delta, visible, width);
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void gradient_block(float* s, float* dp, int64_t ld, int64_t rows,
+                                                           const float* lse2, const float* delta,
+                                                           const int64_t* visible, int64_t width) {
+  gradient_block_t(s, dp, ld, rows, lse2, delta, visible, width);
 }
-static void gradient_block(double* s, double* dp, int64_t ld, const double* lse2, const double* delta,
+static void gradient_block(double* s, double* dp, int64_t ld, int64_t rows, const double* lse2, const double* delta,
                            const int64_t* visible, int64_t width) {
-  gradient_block_t(s, dp, ld, lse2, delta, visible, width);
+  gradient_block_t(s, dp, ld, rows, lse2, delta, visible, width);
 }
 
 // A (batch, seqlen, heads, dim) operand read through its strides.
@@ -831,6 +836,7 @@ FT_KERNEL_INLINE void transpose(const Acc* from, int64_t ld_from, int64_t count,
 template <class Acc>
 struct KeysValues {
   std::vector<Acc> k_rows, k_t, k_finite, v_finite, v_finite_t;
+  const Acc* k_finite_rows = nullptr;  // k_rows where every key is finite (no copy), else k_finite
   int64_t first_bad_v = 0;
 
   KeysValues(const Shape& p, bool backward)
@@ -850,7 +856,9 @@ struct KeysValues {
     first_bad_v = zero_nonfinite_rows(v_finite.data(), v_finite.data(), p.dim_padded, p.seqlen_k, p.dim);
     transpose(k_rows.data(), p.dim_padded, p.seqlen_k, p.dim, k_t.data(), p.keys_padded);
     if (!k_finite.empty()) {
-      zero_nonfinite_rows(k_rows.data(), k_finite.data(), p.dim_padded, p.seqlen_k, p.dim);
+      const bool k_clean = finite_values(k_rows.data(), p.seqlen_k * p.dim_padded);
+      k_finite_rows = k_clean ? k_rows.data() : k_finite.data();
+      if (!k_clean) zero_nonfinite_rows(k_rows.data(), k_finite.data(), p.dim_padded, p.seqlen_k, p.dim);
       transpose(v_finite.data(), p.dim_padded, p.seqlen_k, p.dim, v_finite_t.data(), p.keys_padded);
     }
   }
@@ -860,8 +868,8 @@ struct KeysValues {
 constexpr int64_t kParallelWork = int64_t{1} << 17;
 
 template <class In, class Acc>
-FT_KERNEL_OPTIONS void own_forward_typed(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, double scale, bool causal,
-                       at::Tensor& out, at::Tensor& lse) {
+FT_KERNEL_OPTIONS void own_forward_typed(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, double scale,
+                                         bool causal, at::Tensor& out, at::Tensor& lse) {
   const Shape p(q_, k_, causal);
   const Operand<In> q(q_), k(k_), v(v_);
   In* out_data = out.data_ptr<In>();
@@ -882,6 +890,7 @@ FT_KERNEL_OPTIONS void own_forward_typed(const at::Tensor& q_, const at::Tensor&
       }
       for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kBlockRows) {
         const int64_t rows = std::min(kBlockRows, p.seqlen_q - r0);
+        const int64_t tile_rows = padded(rows, kNarrowRows);  // what the products compute: few padding rows
         const int64_t keys = p.visible(r0 + rows - 1);
         const int64_t keys_padded = padded(keys, kPad);
         std::fill(q_block.begin() + rows * p.dim_padded, q_block.end(), Acc(0));  // past the last row
@@ -892,15 +901,15 @@ FT_KERNEL_OPTIONS void own_forward_typed(const at::Tensor& q_, const at::Tensor&
         }
         if (keys_padded) {
           product(q_block.data(), p.dim_padded, kv.k_t.data(), p.keys_padded, scores.data(), p.keys_padded,
-                  kBlockRows, p.dim, keys_padded);
+                  tile_rows, p.dim, keys_padded);
         }
         Acc largest[kBlockRows], total[kBlockRows];
         int64_t visible[kBlockRows];
-        for (int64_t r = 0; r < kBlockRows; ++r) visible[r] = r < rows ? p.visible(r0 + r) : 0;
-        softmax_block(scores.data(), p.keys_padded, visible, keys_padded, largest, total);
+        for (int64_t r = 0; r < tile_rows; ++r) visible[r] = r < rows ? p.visible(r0 + r) : 0;
+        softmax_block(scores.data(), p.keys_padded, tile_rows, visible, keys_padded, largest, total);
         if (keys_padded) {
           product(scores.data(), p.keys_padded, kv.v_finite.data(), p.dim_padded, o_block.data(), p.dim_padded,
-                  kBlockRows, keys_padded, p.dim_padded);
+                  tile_rows, keys_padded, p.dim_padded);
         }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t i = r0 + r, visible = p.visible(i);
@@ -927,9 +936,10 @@ FT_KERNEL_OPTIONS void own_forward_typed(const at::Tensor& q_, const at::Tensor&
 }
 
 template <class In, class Acc>
-FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                        const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& dlse_, double scale,
-                        bool causal, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_,
+                                          const at::Tensor& v_, const at::Tensor& out_, const at::Tensor& lse_,
+                                          const at::Tensor& dlse_, double scale, bool causal, at::Tensor& dq,
+                                          at::Tensor& dk, at::Tensor& dv) {
   const Shape p(q_, k_, causal);
   const Operand<In> q(q_), k(k_), v(v_), dout(dout_), out(out_);
   const RowValues lse(lse_), dlse(dlse_);
@@ -954,6 +964,7 @@ FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Ten
       for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
         for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kBlockRows) {
           const int64_t rows = std::min(kBlockRows, p.seqlen_q - r0);
+          const int64_t tile_rows = padded(rows, kNarrowRows);
           const int64_t keys_padded = padded(p.visible(r0 + rows - 1), kPad);
           if (keys_padded == 0) {  // no row of the block sees a key: dq is 0
             for (int64_t r = 0; r < rows; ++r) {
@@ -966,7 +977,7 @@ FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Ten
             std::fill(block->begin() + rows * p.dim_padded, block->end(), Acc(0));
           }
           Acc lse2[kBlockRows], delta[kBlockRows];
-          for (int64_t r = 0; r < kBlockRows; ++r) {
+          for (int64_t r = 0; r < tile_rows; ++r) {
             if (r >= rows) {
               lse2[r] = inf;
               delta[r] = 0;
@@ -988,18 +999,18 @@ FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Ten
           }
           zero_nonfinite_rows(q_finite.data(), q_finite.data(), p.dim_padded, rows, p.dim);
           product(q_block.data(), p.dim_padded, kv.k_t.data(), p.keys_padded, weights.data(), p.keys_padded,
-                  kBlockRows, p.dim, keys_padded);
+                  tile_rows, p.dim, keys_padded);
           product(dout_block.data(), p.dim_padded, kv.v_finite_t.data(), p.keys_padded, grads.data(), p.keys_padded,
-                  kBlockRows, p.dim, keys_padded);
+                  tile_rows, p.dim, keys_padded);
           int64_t visible[kBlockRows];
-          for (int64_t r = 0; r < kBlockRows; ++r) visible[r] = r < rows ? p.visible(r0 + r) : 0;
-          gradient_block(weights.data(), grads.data(), p.keys_padded, lse2, delta, visible, keys_padded);
+          for (int64_t r = 0; r < tile_rows; ++r) visible[r] = r < rows ? p.visible(r0 + r) : 0;
+          gradient_block(weights.data(), grads.data(), p.keys_padded, tile_rows, lse2, delta, visible, keys_padded);
           product_tn(weights.data(), p.keys_padded, dout_block.data(), p.dim_padded, dv_acc.data(), p.dim_padded,
-                     kBlockRows, keys_padded, p.dim_padded);
+                     rows, keys_padded, p.dim_padded);
           product_tn(grads.data(), p.keys_padded, q_finite.data(), p.dim_padded, dk_acc.data(), p.dim_padded,
-                     kBlockRows, keys_padded, p.dim_padded);
-          product(grads.data(), p.keys_padded, kv.k_finite.data(), p.dim_padded, dq_block.data(), p.dim_padded,
-                  kBlockRows, keys_padded, p.dim_padded);
+                     rows, keys_padded, p.dim_padded);
+          product(grads.data(), p.keys_padded, kv.k_finite_rows, p.dim_padded, dq_block.data(), p.dim_padded,
+                  tile_rows, keys_padded, p.dim_padded);
           for (int64_t r = 0; r < rows; ++r) {
             In* dq_line = dq_data + ((b * p.seqlen_q + r0 + r) * p.heads_q + h) * p.dim;
             const Acc* line = dq_block.data() + r * p.dim_padded;
@@ -1022,17 +1033,23 @@ FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Ten
 }
 
 // Problems this kernel takes: head_dim_v == head_dim (the caller's cpu_kernel.serves checked it, with no softcap,
-// ALiBi or window), the four float types, and at most kOwnWork multiply-adds per (batch, query head) and
-// kOwnSeqlen keys, where it measured faster than torch's kernel (notes.md, "CPU small shapes").
+// ALiBi or window), the four float types, and where it measured faster than torch's kernel (notes.md, "CPU small
+// shapes (session sixteen)"): at most kOwnWork multiply-adds per (batch, query head) and kOwnSeqlen keys; at
+// least kOwnMinQueries queries, over which each head's copy of its keys and values is spread; and at most
+// kOwnKeyValues elements of K (batch x seqlen_k x heads_kv x head_dim), past which those copies stream from memory
+// (b8 h32 q16 k128 d128 ran at 0.73x torch's kernel).
 constexpr int64_t kOwnWork = int64_t{1} << 20;
 constexpr int64_t kOwnSeqlen = 256;
+constexpr int64_t kOwnMinQueries = 4;
+constexpr int64_t kOwnKeyValues = int64_t{1} << 20;
 
 bool own_kernel_serves(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const auto type = q.scalar_type();
   if (type != at::kFloat && type != at::kDouble && type != at::kBFloat16 && type != at::kHalf) return false;
   if (k.scalar_type() != type || v.scalar_type() != type || q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return false;
   if (q.size(3) != v.size(3) || q.size(3) != k.size(3) || k.size(2) == 0 || q.size(2) % k.size(2)) return false;
-  return k.size(1) <= kOwnSeqlen && q.size(1) * k.size(1) * q.size(3) <= kOwnWork;
+  return k.size(1) <= kOwnSeqlen && q.size(1) >= kOwnMinQueries && q.size(1) * k.size(1) * q.size(3) <= kOwnWork &&
+         k.size(0) * k.size(1) * k.size(2) * k.size(3) <= kOwnKeyValues;
 }
 
 #define FT_OWN_DISPATCH(type, call)                                                    \
