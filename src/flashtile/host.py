@@ -1,5 +1,6 @@
 """The host path: a planned call's per-call work (allocate, write the params, launch, record the autograd node) in
-C++, where a host compiler exists; and on the CPU, the finite check and torch's kernel call of the general path.
+C++, where a host compiler exists; and on the CPU, the general path's kernel calls: host.cpp's own kernel for
+small problems, torch's kernel after the finite check elsewhere.
 
 Python plans every call (plans.py); ``csrc/host.cpp`` only replays a plan: it takes the kernels' handles and
 geometry and the params struct packed with its address fields zero, and per call writes the operands' addresses
