@@ -848,7 +848,7 @@ struct KeysValues {
   }
 
   template <class In>
-  FT_KERNEL_OPTIONS void load(const Shape& p, const Operand<In>& k, const Operand<In>& v, int64_t b, int64_t hk) {
+  FT_KERNEL_INLINE void load(const Shape& p, const Operand<In>& k, const Operand<In>& v, int64_t b, int64_t hk) {
     for (int64_t j = 0; j < p.seqlen_k; ++j) {
       load_vector(k.at(b, j, hk), k.sd, p.dim, k_rows.data() + j * p.dim_padded);
       load_vector(v.at(b, j, hk), v.sd, p.dim, v_finite.data() + j * p.dim_padded);
@@ -867,6 +867,92 @@ struct KeysValues {
 // Work items below this many multiply-adds run on one thread: parallel_for's wake-up costs more than they take.
 constexpr int64_t kParallelWork = int64_t{1} << 17;
 
+// The work items [first, last) of own_forward_typed (and below, own_backward_typed): inline bodies, so that the
+// fp32 copies, cloned for the machine like the products, vectorise their copies and conversions too.
+template <class In, class Acc>
+struct ForwardWork {
+  const Shape& p;
+  const Operand<In>& q;
+  const Operand<In>& k;
+  const Operand<In>& v;
+  In* out_data;
+  float* lse_data;
+  Acc q_factor;
+};
+
+template <class In, class Acc>
+FT_KERNEL_INLINE void forward_items_t(const ForwardWork<In, Acc>& w, int64_t first, int64_t last) {
+  const Shape& p = w.p;
+  const Operand<In>& q = w.q;
+  const Operand<In>& k = w.k;
+  const Operand<In>& v = w.v;
+  In* out_data = w.out_data;
+  float* lse_data = w.lse_data;
+  const Acc q_factor = w.q_factor;
+  KeysValues<Acc> kv(p, false);
+  std::vector<Acc> q_block(kBlockRows * p.dim_padded), scores(kBlockRows * p.keys_padded),
+      o_block(kBlockRows * p.dim_padded);
+  int64_t loaded = -1;  // the (batch, kv head) whose keys kv holds
+  for (int64_t item = first; item < last; ++item) {
+    const int64_t b = item / p.heads_q, h = item % p.heads_q, hk = h / p.group;
+    if (b * p.heads_kv + hk != loaded) {
+      kv.load(p, k, v, b, hk);
+      loaded = b * p.heads_kv + hk;
+    }
+    for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kBlockRows) {
+      const int64_t rows = std::min(kBlockRows, p.seqlen_q - r0);
+      const int64_t tile_rows = padded(rows, kNarrowRows);  // what the products compute: few padding rows
+      const int64_t keys = p.visible(r0 + rows - 1);
+      const int64_t keys_padded = padded(keys, kPad);
+      std::fill(q_block.begin() + rows * p.dim_padded, q_block.end(), Acc(0));  // past the last row
+      for (int64_t r = 0; r < rows; ++r) {
+        Acc* line = q_block.data() + r * p.dim_padded;
+        load_vector(q.at(b, r0 + r, h), q.sd, p.dim, line);
+        for (int64_t e = 0; e < p.dim; ++e) line[e] *= q_factor;
+      }
+      if (keys_padded) {
+        product(q_block.data(), p.dim_padded, kv.k_t.data(), p.keys_padded, scores.data(), p.keys_padded,
+                tile_rows, p.dim, keys_padded);
+      }
+      Acc largest[kBlockRows], total[kBlockRows];
+      int64_t visible[kBlockRows];
+      for (int64_t r = 0; r < tile_rows; ++r) visible[r] = r < rows ? p.visible(r0 + r) : 0;
+      softmax_block(scores.data(), p.keys_padded, tile_rows, visible, keys_padded, largest, total);
+      if (keys_padded) {
+        product(scores.data(), p.keys_padded, kv.v_finite.data(), p.dim_padded, o_block.data(), p.dim_padded,
+                tile_rows, keys_padded, p.dim_padded);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = r0 + r, visible = p.visible(i);
+        In* o = out_data + ((b * p.seqlen_q + i) * p.heads_q + h) * p.dim;
+        float& row_lse = lse_data[(b * p.heads_q + h) * p.seqlen_q + i];
+        if (visible == 0) {
+          std::fill(o, o + p.dim, static_cast<In>(0));
+          row_lse = -std::numeric_limits<float>::infinity();
+          continue;
+        }
+        const Acc base2 = largest[r] + std::log2(total[r]);
+        row_lse = std::isfinite(base2) ? static_cast<float>(base2 * kLn2) : std::numeric_limits<float>::quiet_NaN();
+        const Acc inverse = Acc(1) / total[r];
+        const Acc* line = o_block.data() + r * p.dim_padded;
+        if (kv.first_bad_v < visible) {
+          std::fill(o, o + p.dim, static_cast<In>(std::numeric_limits<float>::quiet_NaN()));
+        } else {
+          for (int64_t e = 0; e < p.dim; ++e) o[e] = static_cast<In>(line[e] * inverse);
+        }
+      }
+    }
+  }
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void forward_items(const ForwardWork<float, float>& w, int64_t first,
+                                                          int64_t last) {
+  forward_items_t(w, first, last);
+}
+template <class In, class Acc>
+void forward_items(const ForwardWork<In, Acc>& w, int64_t first, int64_t last) {
+  forward_items_t(w, first, last);
+}
+
 template <class In, class Acc>
 FT_KERNEL_OPTIONS void own_forward_typed(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, double scale,
                                          bool causal, at::Tensor& out, at::Tensor& lse) {
@@ -878,61 +964,128 @@ FT_KERNEL_OPTIONS void own_forward_typed(const at::Tensor& q_, const at::Tensor&
   const int64_t items = p.batch * p.heads_q;
   const int64_t item_work = std::max<int64_t>(1, p.seqlen_q * p.seqlen_k * p.dim * 2);
   at::parallel_for(0, items, std::max<int64_t>(1, kParallelWork / item_work), [&](int64_t first, int64_t last) {
-    KeysValues<Acc> kv(p, false);
-    std::vector<Acc> q_block(kBlockRows * p.dim_padded), scores(kBlockRows * p.keys_padded),
-        o_block(kBlockRows * p.dim_padded);
-    int64_t loaded = -1;  // the (batch, kv head) whose keys kv holds
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t b = item / p.heads_q, h = item % p.heads_q, hk = h / p.group;
-      if (b * p.heads_kv + hk != loaded) {
-        kv.load(p, k, v, b, hk);
-        loaded = b * p.heads_kv + hk;
-      }
+    forward_items(ForwardWork<In, Acc>{p, q, k, v, out_data, lse_data, q_factor}, first, last);
+  });
+}
+
+template <class In, class Acc>
+struct BackwardWork {
+  const Shape& p;
+  const Operand<In>& q;
+  const Operand<In>& k;
+  const Operand<In>& v;
+  const Operand<In>& dout;
+  const Operand<In>& out;
+  const RowValues& lse;
+  const RowValues& dlse;
+  bool with_dlse;
+  In* dq_data;
+  In* dk_data;
+  In* dv_data;
+  Acc q_factor, grad_scale;
+};
+
+template <class In, class Acc>
+FT_KERNEL_INLINE void backward_items_t(const BackwardWork<In, Acc>& w, int64_t first, int64_t last) {
+  const Shape& p = w.p;
+  const Operand<In>& q = w.q;
+  const Operand<In>& k = w.k;
+  const Operand<In>& v = w.v;
+  const Operand<In>& dout = w.dout;
+  const Operand<In>& out = w.out;
+  const RowValues& lse = w.lse;
+  const RowValues& dlse = w.dlse;
+  In* dq_data = w.dq_data;
+  In* dk_data = w.dk_data;
+  In* dv_data = w.dv_data;
+  const Acc q_factor = w.q_factor, grad_scale = w.grad_scale;
+  const Acc log2e = static_cast<Acc>(kLog2e), inf = std::numeric_limits<Acc>::infinity();
+  KeysValues<Acc> kv(p, true);
+  std::vector<Acc> q_block(kBlockRows * p.dim_padded), q_finite(kBlockRows * p.dim_padded),
+      dout_block(kBlockRows * p.dim_padded), dq_block(kBlockRows * p.dim_padded), out_line(p.dim_padded),
+      weights(kBlockRows * p.keys_padded), grads(kBlockRows * p.keys_padded),
+      dk_acc(p.keys_padded * p.dim_padded), dv_acc(p.keys_padded * p.dim_padded);
+  for (int64_t item = first; item < last; ++item) {
+    const int64_t b = item / p.heads_kv, hk = item % p.heads_kv;
+    kv.load(p, k, v, b, hk);
+    std::fill(dk_acc.begin(), dk_acc.end(), Acc(0));
+    std::fill(dv_acc.begin(), dv_acc.end(), Acc(0));
+    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
       for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kBlockRows) {
         const int64_t rows = std::min(kBlockRows, p.seqlen_q - r0);
-        const int64_t tile_rows = padded(rows, kNarrowRows);  // what the products compute: few padding rows
-        const int64_t keys = p.visible(r0 + rows - 1);
-        const int64_t keys_padded = padded(keys, kPad);
-        std::fill(q_block.begin() + rows * p.dim_padded, q_block.end(), Acc(0));  // past the last row
-        for (int64_t r = 0; r < rows; ++r) {
-          Acc* line = q_block.data() + r * p.dim_padded;
-          load_vector(q.at(b, r0 + r, h), q.sd, p.dim, line);
-          for (int64_t e = 0; e < p.dim; ++e) line[e] *= q_factor;
+        const int64_t tile_rows = padded(rows, kNarrowRows);
+        const int64_t keys_padded = padded(p.visible(r0 + rows - 1), kPad);
+        if (keys_padded == 0) {  // no row of the block sees a key: dq is 0
+          for (int64_t r = 0; r < rows; ++r) {
+            In* dq_line = dq_data + ((b * p.seqlen_q + r0 + r) * p.heads_q + h) * p.dim;
+            std::fill(dq_line, dq_line + p.dim, static_cast<In>(0));
+          }
+          continue;
         }
-        if (keys_padded) {
-          product(q_block.data(), p.dim_padded, kv.k_t.data(), p.keys_padded, scores.data(), p.keys_padded,
-                  tile_rows, p.dim, keys_padded);
+        for (auto* block : {&q_block, &q_finite, &dout_block}) {  // past the last row
+          std::fill(block->begin() + rows * p.dim_padded, block->end(), Acc(0));
         }
-        Acc largest[kBlockRows], total[kBlockRows];
-        int64_t visible[kBlockRows];
-        for (int64_t r = 0; r < tile_rows; ++r) visible[r] = r < rows ? p.visible(r0 + r) : 0;
-        softmax_block(scores.data(), p.keys_padded, tile_rows, visible, keys_padded, largest, total);
-        if (keys_padded) {
-          product(scores.data(), p.keys_padded, kv.v_finite.data(), p.dim_padded, o_block.data(), p.dim_padded,
-                  tile_rows, keys_padded, p.dim_padded);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = r0 + r, visible = p.visible(i);
-          In* o = out_data + ((b * p.seqlen_q + i) * p.heads_q + h) * p.dim;
-          float& row_lse = lse_data[(b * p.heads_q + h) * p.seqlen_q + i];
-          if (visible == 0) {
-            std::fill(o, o + p.dim, static_cast<In>(0));
-            row_lse = -std::numeric_limits<float>::infinity();
+        Acc lse2[kBlockRows], delta[kBlockRows];
+        for (int64_t r = 0; r < tile_rows; ++r) {
+          if (r >= rows) {
+            lse2[r] = inf;
+            delta[r] = 0;
             continue;
           }
-          const Acc base2 = largest[r] + std::log2(total[r]);
-          row_lse = std::isfinite(base2) ? static_cast<float>(base2 * kLn2) : std::numeric_limits<float>::quiet_NaN();
-          const Acc inverse = Acc(1) / total[r];
-          const Acc* line = o_block.data() + r * p.dim_padded;
-          if (kv.first_bad_v < visible) {
-            std::fill(o, o + p.dim, static_cast<In>(std::numeric_limits<float>::quiet_NaN()));
-          } else {
-            for (int64_t e = 0; e < p.dim; ++e) o[e] = static_cast<In>(line[e] * inverse);
-          }
+          const int64_t i = r0 + r;
+          Acc* q_line = q_block.data() + r * p.dim_padded;
+          Acc* q_finite_line = q_finite.data() + r * p.dim_padded;
+          load_vector(q.at(b, i, h), q.sd, p.dim, q_finite_line);
+          for (int64_t e = 0; e < p.dim; ++e) q_line[e] = q_finite_line[e] * q_factor;
+          Acc* dout_line = dout_block.data() + r * p.dim_padded;
+          load_vector(dout.at(b, i, h), dout.sd, p.dim, dout_line);
+          load_vector(out.at(b, i, h), out.sd, p.dim, out_line.data());
+          Acc d = row_dot(dout_line, out_line.data(), p.dim_padded);
+          if (w.with_dlse) d -= dlse.at<Acc>(b, h, i);
+          delta[r] = d;
+          const Acc row_lse = lse.at<Acc>(b, h, i);
+          lse2[r] = row_lse == -inf ? inf : row_lse * log2e;  // a row that sees no key: every weight 0
+        }
+        zero_nonfinite_rows(q_finite.data(), q_finite.data(), p.dim_padded, rows, p.dim);
+        product(q_block.data(), p.dim_padded, kv.k_t.data(), p.keys_padded, weights.data(), p.keys_padded,
+                tile_rows, p.dim, keys_padded);
+        product(dout_block.data(), p.dim_padded, kv.v_finite_t.data(), p.keys_padded, grads.data(), p.keys_padded,
+                tile_rows, p.dim, keys_padded);
+        int64_t visible[kBlockRows];
+        for (int64_t r = 0; r < tile_rows; ++r) visible[r] = r < rows ? p.visible(r0 + r) : 0;
+        gradient_block(weights.data(), grads.data(), p.keys_padded, tile_rows, lse2, delta, visible, keys_padded);
+        product_tn(weights.data(), p.keys_padded, dout_block.data(), p.dim_padded, dv_acc.data(), p.dim_padded,
+                   rows, keys_padded, p.dim_padded);
+        product_tn(grads.data(), p.keys_padded, q_finite.data(), p.dim_padded, dk_acc.data(), p.dim_padded,
+                   rows, keys_padded, p.dim_padded);
+        product(grads.data(), p.keys_padded, kv.k_finite_rows, p.dim_padded, dq_block.data(), p.dim_padded,
+                tile_rows, keys_padded, p.dim_padded);
+        for (int64_t r = 0; r < rows; ++r) {
+          In* dq_line = dq_data + ((b * p.seqlen_q + r0 + r) * p.heads_q + h) * p.dim;
+          const Acc* line = dq_block.data() + r * p.dim_padded;
+          for (int64_t e = 0; e < p.dim; ++e) dq_line[e] = static_cast<In>(line[e] * grad_scale);
         }
       }
     }
-  });
+    for (int64_t j = 0; j < p.seqlen_k; ++j) {
+      In* dk_line = dk_data + ((b * p.seqlen_k + j) * p.heads_kv + hk) * p.dim;
+      In* dv_line = dv_data + ((b * p.seqlen_k + j) * p.heads_kv + hk) * p.dim;
+      const Acc* dk_from = dk_acc.data() + j * p.dim_padded;
+      const Acc* dv_from = dv_acc.data() + j * p.dim_padded;
+      for (int64_t e = 0; e < p.dim; ++e) {
+        dk_line[e] = static_cast<In>(dk_from[e] * grad_scale);
+        dv_line[e] = static_cast<In>(dv_from[e]);
+      }
+    }
+  }
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void backward_items(const BackwardWork<float, float>& w, int64_t first,
+                                                           int64_t last) {
+  backward_items_t(w, first, last);
+}
+template <class In, class Acc>
+void backward_items(const BackwardWork<In, Acc>& w, int64_t first, int64_t last) {
+  backward_items_t(w, first, last);
 }
 
 template <class In, class Acc>
@@ -947,88 +1100,12 @@ FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Ten
   In* dk_data = dk.data_ptr<In>();
   In* dv_data = dv.data_ptr<In>();
   const Acc q_factor = static_cast<Acc>(scale * kLog2e), grad_scale = static_cast<Acc>(scale);
-  const Acc log2e = static_cast<Acc>(kLog2e), inf = std::numeric_limits<Acc>::infinity();
   const int64_t items = p.batch * p.heads_kv;
   const int64_t item_work = std::max<int64_t>(1, p.group * p.seqlen_q * p.seqlen_k * p.dim * 4);
   at::parallel_for(0, items, std::max<int64_t>(1, kParallelWork / item_work), [&](int64_t first, int64_t last) {
-    KeysValues<Acc> kv(p, true);
-    std::vector<Acc> q_block(kBlockRows * p.dim_padded), q_finite(kBlockRows * p.dim_padded),
-        dout_block(kBlockRows * p.dim_padded), dq_block(kBlockRows * p.dim_padded), out_line(p.dim_padded),
-        weights(kBlockRows * p.keys_padded), grads(kBlockRows * p.keys_padded),
-        dk_acc(p.keys_padded * p.dim_padded), dv_acc(p.keys_padded * p.dim_padded);
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t b = item / p.heads_kv, hk = item % p.heads_kv;
-      kv.load(p, k, v, b, hk);
-      std::fill(dk_acc.begin(), dk_acc.end(), Acc(0));
-      std::fill(dv_acc.begin(), dv_acc.end(), Acc(0));
-      for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
-        for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kBlockRows) {
-          const int64_t rows = std::min(kBlockRows, p.seqlen_q - r0);
-          const int64_t tile_rows = padded(rows, kNarrowRows);
-          const int64_t keys_padded = padded(p.visible(r0 + rows - 1), kPad);
-          if (keys_padded == 0) {  // no row of the block sees a key: dq is 0
-            for (int64_t r = 0; r < rows; ++r) {
-              In* dq_line = dq_data + ((b * p.seqlen_q + r0 + r) * p.heads_q + h) * p.dim;
-              std::fill(dq_line, dq_line + p.dim, static_cast<In>(0));
-            }
-            continue;
-          }
-          for (auto* block : {&q_block, &q_finite, &dout_block}) {  // past the last row
-            std::fill(block->begin() + rows * p.dim_padded, block->end(), Acc(0));
-          }
-          Acc lse2[kBlockRows], delta[kBlockRows];
-          for (int64_t r = 0; r < tile_rows; ++r) {
-            if (r >= rows) {
-              lse2[r] = inf;
-              delta[r] = 0;
-              continue;
-            }
-            const int64_t i = r0 + r;
-            Acc* q_line = q_block.data() + r * p.dim_padded;
-            Acc* q_finite_line = q_finite.data() + r * p.dim_padded;
-            load_vector(q.at(b, i, h), q.sd, p.dim, q_finite_line);
-            for (int64_t e = 0; e < p.dim; ++e) q_line[e] = q_finite_line[e] * q_factor;
-            Acc* dout_line = dout_block.data() + r * p.dim_padded;
-            load_vector(dout.at(b, i, h), dout.sd, p.dim, dout_line);
-            load_vector(out.at(b, i, h), out.sd, p.dim, out_line.data());
-            Acc d = row_dot(dout_line, out_line.data(), p.dim_padded);
-            if (dlse_.defined()) d -= dlse.at<Acc>(b, h, i);
-            delta[r] = d;
-            const Acc row_lse = lse.at<Acc>(b, h, i);
-            lse2[r] = row_lse == -inf ? inf : row_lse * log2e;  // a row that sees no key: every weight 0
-          }
-          zero_nonfinite_rows(q_finite.data(), q_finite.data(), p.dim_padded, rows, p.dim);
-          product(q_block.data(), p.dim_padded, kv.k_t.data(), p.keys_padded, weights.data(), p.keys_padded,
-                  tile_rows, p.dim, keys_padded);
-          product(dout_block.data(), p.dim_padded, kv.v_finite_t.data(), p.keys_padded, grads.data(), p.keys_padded,
-                  tile_rows, p.dim, keys_padded);
-          int64_t visible[kBlockRows];
-          for (int64_t r = 0; r < tile_rows; ++r) visible[r] = r < rows ? p.visible(r0 + r) : 0;
-          gradient_block(weights.data(), grads.data(), p.keys_padded, tile_rows, lse2, delta, visible, keys_padded);
-          product_tn(weights.data(), p.keys_padded, dout_block.data(), p.dim_padded, dv_acc.data(), p.dim_padded,
-                     rows, keys_padded, p.dim_padded);
-          product_tn(grads.data(), p.keys_padded, q_finite.data(), p.dim_padded, dk_acc.data(), p.dim_padded,
-                     rows, keys_padded, p.dim_padded);
-          product(grads.data(), p.keys_padded, kv.k_finite_rows, p.dim_padded, dq_block.data(), p.dim_padded,
-                  tile_rows, keys_padded, p.dim_padded);
-          for (int64_t r = 0; r < rows; ++r) {
-            In* dq_line = dq_data + ((b * p.seqlen_q + r0 + r) * p.heads_q + h) * p.dim;
-            const Acc* line = dq_block.data() + r * p.dim_padded;
-            for (int64_t e = 0; e < p.dim; ++e) dq_line[e] = static_cast<In>(line[e] * grad_scale);
-          }
-        }
-      }
-      for (int64_t j = 0; j < p.seqlen_k; ++j) {
-        In* dk_line = dk_data + ((b * p.seqlen_k + j) * p.heads_kv + hk) * p.dim;
-        In* dv_line = dv_data + ((b * p.seqlen_k + j) * p.heads_kv + hk) * p.dim;
-        const Acc* dk_from = dk_acc.data() + j * p.dim_padded;
-        const Acc* dv_from = dv_acc.data() + j * p.dim_padded;
-        for (int64_t e = 0; e < p.dim; ++e) {
-          dk_line[e] = static_cast<In>(dk_from[e] * grad_scale);
-          dv_line[e] = static_cast<In>(dv_from[e]);
-        }
-      }
-    }
+    const BackwardWork<In, Acc> work{p,   q,    k,    v,    dout, out, lse, dlse, dlse_.defined(),
+                                     dq_data, dk_data, dv_data, q_factor, grad_scale};
+    backward_items(work, first, last);
   });
 }
 
