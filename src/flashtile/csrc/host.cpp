@@ -868,7 +868,8 @@ struct KeysValues {
 constexpr int64_t kParallelWork = int64_t{1} << 17;
 
 // The work items [first, last) of own_forward_typed (and below, own_backward_typed): inline bodies, so that the
-// fp32 copies, cloned for the machine like the products, vectorise their copies and conversions too.
+// copies for each input type, cloned for the machine like the products (fp64's not: gradcheck's type), vectorise
+// their copies and conversions too.
 template <class In, class Acc>
 struct ForwardWork {
   const Shape& p;
@@ -948,8 +949,15 @@ FT_CPU_CLONES FT_KERNEL_OPTIONS static void forward_items(const ForwardWork<floa
                                                           int64_t last) {
   forward_items_t(w, first, last);
 }
-template <class In, class Acc>
-void forward_items(const ForwardWork<In, Acc>& w, int64_t first, int64_t last) {
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void forward_items(const ForwardWork<c10::BFloat16, float>& w, int64_t first,
+                                                          int64_t last) {
+  forward_items_t(w, first, last);
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void forward_items(const ForwardWork<c10::Half, float>& w, int64_t first,
+                                                          int64_t last) {
+  forward_items_t(w, first, last);
+}
+FT_KERNEL_OPTIONS static void forward_items(const ForwardWork<double, double>& w, int64_t first, int64_t last) {
   forward_items_t(w, first, last);
 }
 
@@ -1083,8 +1091,15 @@ FT_CPU_CLONES FT_KERNEL_OPTIONS static void backward_items(const BackwardWork<fl
                                                            int64_t last) {
   backward_items_t(w, first, last);
 }
-template <class In, class Acc>
-void backward_items(const BackwardWork<In, Acc>& w, int64_t first, int64_t last) {
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void backward_items(const BackwardWork<c10::BFloat16, float>& w,
+                                                           int64_t first, int64_t last) {
+  backward_items_t(w, first, last);
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void backward_items(const BackwardWork<c10::Half, float>& w, int64_t first,
+                                                           int64_t last) {
+  backward_items_t(w, first, last);
+}
+FT_KERNEL_OPTIONS static void backward_items(const BackwardWork<double, double>& w, int64_t first, int64_t last) {
   backward_items_t(w, first, last);
 }
 
