@@ -1,11 +1,14 @@
 """flashtile's CPU path beside torch's CPU SDPA, forward and forward + backward, at a few shapes.
 
-    PYTHONPATH=src python scripts/cpu_speed.py [rounds]
+    PYTHONPATH=src python scripts/cpu_speed.py [rounds] [max_seqlen]
 
-fp32, torch's default threads. Every round runs each contender once, in turn (bench.measure.time_cpu), so
-that load from other processes falls on all of them alike; the table gives medians over the rounds (ms) and
-the speed-up of flashtile over SDPA (SDPA's time / flashtile's: 1.00x or more is at least as fast). The loop
-columns force flashtile's chunked PyTorch loop (what serves softcap, ALiBi, windows) on the same shapes.
+fp32 unless a row says bf16, torch's default threads. Every round runs each contender once, in turn
+(bench.measure.time_cpu), so that load from other processes falls on all of them alike; the table gives medians
+over the rounds (ms) and the speed-up of flashtile over SDPA (SDPA's time / flashtile's: 1.00x or more is at
+least as fast). A contender that takes less than SAMPLE_MS runs several times per sample, so that the clock's
+resolution and one stray interrupt do not decide a row. The loop columns force flashtile's chunked PyTorch
+loop (what serves softcap, ALiBi, windows) on the same shapes. `max_seqlen` keeps only the rows up to that
+sequence length.
 """
 
 import os
@@ -19,7 +22,7 @@ from flashtile.bench import measure
 from flashtile.reference import attention_chunked, attention_chunked_backward
 
 SHAPES = [
-    # batch, heads_q, heads_kv, seqlen, head_dim, causal
+    # batch, heads_q, heads_kv, seqlen, head_dim, causal[, dtype]
     (1, 8, 8, 2048, 64, True),
     (1, 8, 8, 2048, 64, False),
     (1, 8, 8, 1024, 128, False),
@@ -28,15 +31,24 @@ SHAPES = [
     (2, 16, 4, 1024, 64, False),
     (1, 8, 8, 128, 64, True),      # small: per-call host time shows
     (4, 16, 4, 256, 64, False),
+    (1, 2, 2, 8, 16, True),        # smaller still: fixed costs are most of the call
+    (1, 16, 16, 16, 128, True),
+    (1, 8, 8, 32, 64, True),
+    (1, 8, 8, 64, 64, True),
+    (1, 8, 8, 128, 64, False),
+    (1, 8, 8, 32, 64, True, torch.bfloat16),
+    (1, 8, 8, 128, 64, True, torch.bfloat16),
 ]
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 7
+MAX_SEQLEN = int(sys.argv[2]) if len(sys.argv) > 2 else None
+SAMPLE_MS = 2.0  # a sample of a small shape repeats its call until about this long
 
 
-def contenders(batch, heads_q, heads_kv, seqlen, head_dim, causal):
+def contenders(batch, heads_q, heads_kv, seqlen, head_dim, causal, dtype=torch.float32):
     """name -> no-argument callable, for one shape: forward and forward + backward of each."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, seqlen, heads_q, head_dim, generator=g)
-    k, v = (torch.randn(batch, seqlen, heads_kv, head_dim, generator=g) for _ in range(2))
+    q = torch.randn(batch, seqlen, heads_q, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(batch, seqlen, heads_kv, head_dim, generator=g).to(dtype) for _ in range(2))
     dout = torch.randn_like(q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     sdpa_leaves = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]  # SDPA's (b, h, s, d)
@@ -66,19 +78,38 @@ def contenders(batch, heads_q, heads_kv, seqlen, head_dim, causal):
     }
 
 
+def repeated(fns: dict) -> tuple[dict, dict]:
+    """Each contender repeated enough times that its sample lasts about SAMPLE_MS; and those counts (its times
+    are divided by its count)."""
+    first = measure.time_cpu(fns, reps=1)
+    counts = {name: max(1, round(SAMPLE_MS / max(ms, 1e-3))) for name, ms in first.items()}
+
+    def loop(fn, calls):
+        def run():
+            for _ in range(calls):
+                fn()
+        return run
+    return {name: loop(fn, counts[name]) for name, fn in fns.items()}, counts
+
+
 def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, median of {ROUNDS} rounds (ms); "
           f"speed-up = SDPA / flashtile; load average {os.getloadavg()[0]:.2f} at the start")
     print(f"{'shape':<28} {'fwd':>9} {'sdpa':>9} {'speed-up':>8} | {'fwd+bwd':>9} {'sdpa':>9} {'speed-up':>8} | "
           f"{'loop fwd':>9} {'loop f+b':>9}")
-    for batch, heads_q, heads_kv, seqlen, head_dim, causal in SHAPES:
-        t = measure.time_cpu(contenders(batch, heads_q, heads_kv, seqlen, head_dim, causal), reps=ROUNDS)
+    for row in SHAPES:
+        batch, heads_q, heads_kv, seqlen, head_dim, causal, *dtype = row
+        if MAX_SEQLEN is not None and seqlen > MAX_SEQLEN:
+            continue
+        fns, counts = repeated(contenders(*row))
+        t = {name: ms / counts[name] for name, ms in measure.time_cpu(fns, reps=ROUNDS).items()}
         heads = f"h{heads_q}" if heads_q == heads_kv else f"h{heads_q}/{heads_kv}"
-        shape = f"b{batch} {heads} n{seqlen} d{head_dim}{' causal' if causal else ''}"
+        shape = (f"b{batch} {heads} n{seqlen} d{head_dim}{' causal' if causal else ''}"
+                 f"{' bf16' if dtype == [torch.bfloat16] else ''}")
         fwd, train = t["fwd sdpa"] / t["fwd flashtile"], t["train sdpa"] / t["train flashtile"]
-        print(f"{shape:<28} {t['fwd flashtile']:9.1f} {t['fwd sdpa']:9.1f} {fwd:7.2f}x | "
-              f"{t['train flashtile']:9.1f} {t['train sdpa']:9.1f} {train:7.2f}x | "
-              f"{t['fwd loop']:9.1f} {t['train loop']:9.1f}", flush=True)
+        print(f"{shape:<28} {t['fwd flashtile']:9.4f} {t['fwd sdpa']:9.4f} {fwd:7.2f}x | "
+              f"{t['train flashtile']:9.4f} {t['train sdpa']:9.4f} {train:7.2f}x | "
+              f"{t['fwd loop']:9.4f} {t['train loop']:9.4f}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 

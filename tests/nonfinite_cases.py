@@ -17,6 +17,8 @@ SETUPS = {
     "causal-gqa": dict(shape=(2, 48, 48, 4, 2, 16), options={"causal": True}),
     # first 16 rows see no key; softcap and ALiBi: the chunked loop
     "blind-rows-alibi": dict(shape=(1, 40, 24, 2, 1, 8), options={"causal": True, "softcap": 5.0, "alibi": True}),
+    # first 16 rows see no key, GQA, nothing else: host.cpp's own kernel serves it (not square under a causal mask)
+    "blind-rows-gqa": dict(shape=(1, 40, 24, 4, 2, 8), options={"causal": True}),
 }
 POISON_AT = {"q": (0, 30, 1), "k": (0, 17, 0), "v": (0, 20, 0), "slope": 1}  # (batch, position, head) or head
 POISONS = [("q", math.nan), ("k", math.nan), ("v", math.nan), ("slope", math.nan),

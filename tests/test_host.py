@@ -14,6 +14,8 @@ import torch
 import flashtile
 from flashtile import api, host, launch, plans
 
+from nonfinite_cases import NONFINITE_CASES, blind_rows, case_id, check, expected_nan, make
+
 
 @pytest.fixture
 def fresh_host(monkeypatch):
@@ -152,13 +154,15 @@ print("built", module.__file__)
 
 needs_build = pytest.mark.skipif(not host.can_build(), reason="needs a C++ compiler and Python's headers")
 
-# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, dtype)
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, dtype): torch's kernel's calls, past what
+# host.cpp's own kernel takes (seqlen_k above kOwnSeqlen)
 CPU_CASES = [
-    (2, 37, 37, 4, 2, 16, True, torch.float32),
-    (1, 64, 64, 4, 4, 64, False, torch.bfloat16),
-    (2, 20, 45, 2, 1, 32, False, torch.float64),
-    (1, 33, 33, 2, 2, 8, True, torch.float16),
+    (2, 261, 261, 4, 2, 16, True, torch.float32),
+    (1, 264, 264, 4, 4, 64, False, torch.bfloat16),
+    (2, 20, 300, 2, 1, 32, False, torch.float64),
+    (1, 270, 270, 2, 2, 8, True, torch.float16),
 ]
+OWN_SEQLEN = 256  # host.cpp's kOwnSeqlen
 
 
 def _cpu_leaves(case, seed=0):
@@ -226,6 +230,9 @@ def test_the_cpu_nodes_output_changed_in_place_is_refused_at_backward(monkeypatc
 
 
 FUZZ_CASES = 300
+# How far host.cpp's own kernel may be from the Python path (torch's kernel or the chunked loop) per dtype: both
+# compute in fp32 (fp64 for fp64, whose LSE is fp32 on both paths) and differ only in the order of their sums.
+FUZZ_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-5, torch.bfloat16: 3e-2}
 
 
 @needs_build
@@ -233,7 +240,8 @@ def test_nonfinite_inputs_get_the_python_paths_answer_forward_and_backward(monke
     """Seeded random NaN and Inf elements and vectors in q, k or v (shapes, GQA, causal or not, fp32, bf16, fp64):
     the C++ calls give what the Python path's rules give, outputs, LSEs and gradients, NaN for NaN. (torch's
     kernel often returns a finite LSE for a row that read a NaN in q, so no check of its outputs can stand in
-    for the inputs' check.)"""
+    for the inputs' check.) These sizes are host.cpp's own kernel's, which reads NaN and Inf by the rules
+    itself: NaN exactly where the Python path has NaN, the other values within FUZZ_TOLERANCE."""
     import math
     import random
 
@@ -264,7 +272,8 @@ def test_nonfinite_inputs_get_the_python_paths_answer_forward_and_backward(monke
                     lse = flashtile.attention(*leaves, causal=causal, return_lse=True)[1]
                 results.append((out.detach(), lse, *torch.autograd.grad(out, leaves, dout)))
         for ours, theirs in zip(*results):
-            torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+            tolerance = FUZZ_TOLERANCE[dtype]
+            torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance, equal_nan=True)
 
 
 @needs_build
@@ -287,13 +296,151 @@ def test_a_nonfinite_input_leaves_the_cpu_kernel_call_to_the_python_rules(monkey
 @pytest.mark.parametrize("options", [dict(causal=True, softcap=5.0), dict(window_size=(4, 0)), dict(causal=True)],
                          ids=["softcap", "window", "causal-not-square"])
 def test_the_cpu_kernel_call_is_not_taken_where_the_kernel_does_not_serve(monkeypatch, options):
+    """Neither kernel: softcap and windows; and a causal mask on a problem that is not square and too large for
+    host.cpp's own kernel (torch's kernel's causal mask is top-left aligned)."""
     monkeypatch.setenv(host.MODE_ENV, "on")
     api.clear_calls()
     q = torch.randn(1, 9, 2, 16)
-    k = v = torch.randn(1, 9 if "causal" not in options or len(options) > 1 else 13, 2, 16)
+    k = v = torch.randn(1, 9 if "causal" not in options or len(options) > 1 else OWN_SEQLEN + 1, 2, 16)
     with torch.no_grad():
         flashtile.attention(q, k, v, **options)
     assert [c.cpu_kernel for c in api._calls.values()] == [None]
+
+
+# ---- host.cpp's own kernel (small problems: GeneralCall.cpu_kernel without torch's kernel) ---------------------------
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, dtype)
+OWN_CASES = [
+    (2, 37, 37, 4, 2, 16, True, torch.float32),
+    (1, 64, 64, 4, 4, 64, False, torch.bfloat16),
+    (2, 20, 45, 2, 1, 32, True, torch.float64),     # causal, fewer queries than keys: bottom-right aligned
+    (1, 45, 20, 4, 1, 24, True, torch.float32),     # more queries than keys: the first 25 rows see no key
+    (1, 33, 33, 2, 2, 8, True, torch.float16),
+    (1, 16, 16, 16, 16, 128, True, torch.float32),
+    (3, 5, 17, 6, 3, 40, False, torch.bfloat16),
+    (1, 128, 128, 2, 2, 64, True, torch.float32),
+]
+
+
+def _own_ids(cases):
+    return [str(c[:7]) + str(c[7])[6:] for c in cases]
+
+
+@needs_build
+@pytest.mark.parametrize("case", OWN_CASES, ids=_own_ids(OWN_CASES))
+def test_the_own_kernel_matches_the_fp64_reference_with_the_lse_and_its_gradient(monkeypatch, case):
+    """Small problems take host.cpp's own kernel through the C++ kernel call (non-square causal ones included,
+    which torch's kernel cannot mask): out and LSE, and dq, dk, dv with the loss using both out and the LSE, within
+    twice PyTorch's own error in the inputs' precision against fp64 (testing.py's rule)."""
+    from flashtile import testing
+
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    batch, sq, sk, hq, hkv, d, causal, dtype = case
+    leaves = _cpu_leaves(case, seed=1)
+    assert host.extension().own_kernel_serves(*leaves)
+    api.clear_calls()
+    out, lse = flashtile.attention(*leaves, causal=causal, return_lse=True)
+    assert [c.cpu_kernel is not None for c in api._calls.values()] == [True], "not the C++ kernel call"
+    g = torch.Generator().manual_seed(2)
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    dlse = torch.randn(lse.shape, generator=g).masked_fill(torch.isneginf(lse), 0.0)  # blind rows: no gradient
+    grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+    q, k, v = (t.detach() for t in leaves)
+    comparison = testing.compare(q, k, v, out.detach(), lse.detach(), causal=causal)
+    assert comparison.ok, comparison
+    grad_comparison = testing.compare_grads(q, k, v, dout, grads, dlse=dlse, causal=causal)
+    assert grad_comparison.ok, grad_comparison
+    with torch.no_grad():  # the kept call, found in the extension's table, gives the same
+        again = flashtile.attention(*leaves, causal=causal, return_lse=True)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+
+
+@needs_build
+@pytest.mark.parametrize("case", OWN_CASES[:4], ids=_own_ids(OWN_CASES[:4]))
+def test_the_own_kernels_training_call_records_the_cpu_node_and_reads_any_strides(monkeypatch, case):
+    """A training call whose LSE is not returned records the C++ node, whose backward is the own kernel's; q, k, v
+    as strided views (heads first in memory) give what contiguous copies give, bit for bit."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    leaves = _cpu_leaves(case, seed=3)
+    strided = [t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in leaves]
+    dout = torch.randn(*leaves[0].shape, dtype=torch.float32).to(case[7])
+    api.clear_calls()
+    results = []
+    for operands in (leaves, strided):
+        out = flashtile.attention(*operands, causal=case[6])
+        assert out.grad_fn.name() == "flashtile::CpuAttentionBackward"
+        results.append((out.detach(), *torch.autograd.grad(out, operands, dout)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@needs_build
+def test_the_own_kernel_leaves_to_torchs_kernel_what_it_measured_slower_at(monkeypatch):
+    """host.cpp's limits: too few queries to spread each head's copy of K and V over (decoding), too much K and V
+    to copy from cache, too many keys or too much work a head. Those calls keep torch's kernel (square or not
+    causal) or the general path."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    module = host.extension()
+
+    def serves(batch, sq, sk, hq, hkv, d):
+        return module.own_kernel_serves(torch.zeros(batch, sq, hq, d), torch.zeros(batch, sk, hkv, d),
+                                        torch.zeros(batch, sk, hkv, d))
+    assert serves(1, 8, 8, 2, 2, 16) and serves(1, 128, 128, 8, 8, 64) and serves(1, 4, 200, 4, 1, 64)
+    assert not serves(8, 1, 128, 32, 32, 128)      # decoding: one query a head
+    assert not serves(8, 16, 128, 32, 32, 128)     # 4M elements of K
+    assert not serves(1, 16, OWN_SEQLEN + 1, 2, 2, 16)
+    assert not serves(1, 128, 128, 2, 2, 128)      # 2M multiply-adds a head
+
+
+OWN_NONFINITE_CASES = [(setup, poison) for setup, poison in NONFINITE_CASES
+                       if setup in ("causal-gqa", "blind-rows-gqa")]
+
+
+@needs_build
+@pytest.mark.parametrize("case", OWN_NONFINITE_CASES, ids=[case_id(c) for c in OWN_NONFINITE_CASES])
+def test_the_own_kernel_poisons_exactly_the_rows_and_gradients_the_rule_names(monkeypatch, case):
+    """reference.py's NaN rule on the own kernel, with no finite check before it: NaN in exactly the outputs, LSEs
+    and gradients that read a NaN or Inf (tests/nonfinite_cases.py), the rest within fp32 tolerance of the fp64
+    reference on the clean inputs; rows that see no key stay 0 with LSE -inf."""
+    from flashtile.testing import reference_grads
+    from flashtile.reference import attention_ref
+
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    setup, poison = case
+    (q, k, v, clean_options), (pq, pk, pv, options), dout = make(setup, poison)
+    leaves = [t.requires_grad_() for t in (pq, pk, pv)]
+    assert host.extension().own_kernel_serves(*leaves)
+    api.clear_calls()
+    out = flashtile.attention(*leaves, **options)
+    assert out.grad_fn.name() == "flashtile::CpuAttentionBackward"
+    grads = torch.autograd.grad(out, leaves, dout)
+    with torch.no_grad():
+        _, lse = flashtile.attention(*leaves, return_lse=True, **options)
+    want_out, want_lse = attention_ref(q, k, v, **clean_options)
+    want_grads = reference_grads(attention_ref, q, k, v, dout, torch.float64, **clean_options)
+    nan = expected_nan(setup, poison)
+    check("out", out.detach(), want_out, nan["out"], atol=1e-5)
+    check("lse", lse, want_lse, nan["lse"], atol=1e-5)
+    for name, grad, want in zip(("dq", "dk", "dv"), grads, want_grads):
+        check(name, grad, want, nan[name], atol=1e-4)
+    blind = blind_rows(setup)
+    assert (out.detach().transpose(1, 2)[blind] == 0).all() and torch.isneginf(lse[blind]).all()
+
+
+@needs_build
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradcheck_through_the_own_kernel_in_fp64(monkeypatch, causal):
+    """fp64 through the own kernel (GQA, more queries than keys: blind rows under the causal mask) is
+    differentiable to gradcheck's precision."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 7, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 5, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 5, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    assert host.extension().own_kernel_serves(q, k, v)
+    api.clear_calls()
+    assert torch.autograd.gradcheck(lambda q, k, v: flashtile.attention(q, k, v, causal=causal), (q, k, v))
+    assert [c.cpu_kernel is not None for c in api._calls.values()] == [True]
 
 
 @needs_build

@@ -192,8 +192,8 @@ class GeneralCall:
         return forward(self.problem.on(q, k, v), self.rung)
 
     def backward(self, dout, q, k, v, out, lse, dlse=None):
-        if self.cpu_kernel is not None and dlse is None:  # the kernel derives D from out alone: no dLSE term
-            result = self.cpu_kernel.backward(dout, q, k, v, out, lse)
-            if result is not None:
+        if self.cpu_kernel is not None:
+            result = self.cpu_kernel.backward(dout, q, k, v, out, lse, dlse)
+            if result is not None:  # None: a NaN or Inf, or a dLSE term, that torch's kernel cannot take
                 return result
         return backward(self.problem.on(q, k, v), out, lse, dout, self.deterministic, dlse)

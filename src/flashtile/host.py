@@ -1,5 +1,6 @@
 """The host path: a planned call's per-call work (allocate, write the params, launch, record the autograd node) in
-C++, where a host compiler exists; and on the CPU, the finite check and torch's kernel call of the general path.
+C++, where a host compiler exists; and on the CPU, the general path's kernel calls: host.cpp's own kernel for
+small problems, torch's kernel after the finite check elsewhere.
 
 Python plans every call (plans.py); ``csrc/host.cpp`` only replays a plan: it takes the kernels' handles and
 geometry and the params struct packed with its address fields zero, and per call writes the operands' addresses
@@ -19,9 +20,12 @@ the cache folder). ``FLASHTILE_HOST`` chooses:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
 import threading
 import warnings
@@ -38,6 +42,12 @@ MODE_ENV = "FLASHTILE_HOST"
 MODES = ("auto", "on", "off")
 SOURCE = Path(__file__).parent / "csrc" / "host.cpp"
 COMPILE_FLAGS = ["-O2"]
+# at::parallel_for is inline code: compiled without OpenMP it runs its whole range on the calling thread. Where
+# torch's own backend is OpenMP (its Linux builds) and the compiler is GCC (whose OpenMP needs nothing more
+# installed), the extension is compiled with it; the libgomp.so.1 it names is the one torch has loaded (the
+# loader matches the name). Elsewhere host.cpp's CPU kernel runs on one thread, correct but slower.
+OPENMP_FLAGS = ("-fopenmp",)
+GCC_SIGNATURE = "Free Software Foundation"  # what `g++ --version` prints and Clang's does not
 BUILD_LOCK_TIMEOUT_S = 300.0  # another process's build takes well under this; past it this one gives up
 TORCH_BUILD_MARKER = "lock"   # torch.utils.cpp_extension's file while a build runs
 
@@ -125,6 +135,21 @@ def keep(q, k, v, options: tuple, call, return_lse: bool) -> None:
         table.keep_cuda(q, k, v, options, call.host, return_lse)
 
 
+@functools.cache
+def _compiler_is_gcc() -> bool:
+    try:
+        done = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return GCC_SIGNATURE in done.stdout
+
+
+def _openmp_flags() -> list[str]:
+    """A new list each call: torch's build appends to the lists it is given."""
+    wanted = sys.platform.startswith("linux") and torch.backends.openmp.is_available() and _compiler_is_gcc()
+    return list(OPENMP_FLAGS) if wanted else []
+
+
 def can_build() -> bool:
     """A C++ compiler ($CXX, else c++) and Python's headers: what torch's extension build needs here."""
     headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
@@ -132,7 +157,8 @@ def can_build() -> bool:
 
 
 def build_dir() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    flags = " ".join(COMPILE_FLAGS + _openmp_flags())
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     return jit.cache_dir() / "host" / digest
 
 
@@ -146,7 +172,8 @@ def _build() -> ModuleType:
     folder.mkdir(parents=True, exist_ok=True)
     with FileLock(folder / "flashtile.lock", timeout=BUILD_LOCK_TIMEOUT_S):
         (folder / TORCH_BUILD_MARKER).unlink(missing_ok=True)
-        return cpp_extension.load(f"flashtile_host_{folder.name}", [str(SOURCE)], extra_cflags=COMPILE_FLAGS,
+        return cpp_extension.load(f"flashtile_host_{folder.name}", [str(SOURCE)],
+                                  extra_cflags=COMPILE_FLAGS + _openmp_flags(), extra_ldflags=_openmp_flags(),
                                   build_directory=str(folder), verbose=False)
 
 
@@ -237,30 +264,34 @@ def forward_of(plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device:
 
 
 class CpuKernel(NamedTuple):
-    """The C++ calls of torch's CPU kernel for one problem's options; each returns None when an input is not
-    finite (the general path's rules then serve)."""
+    """The C++ calls of the CPU kernels for one problem's options: host.cpp's own kernel for small problems,
+    torch's elsewhere. Each returns None where torch's kernel would take an input that is not finite, and the
+    backward where it would take a gradient of the LSE (the general path's rules then serve); the own kernel
+    takes both."""
 
     forward: Callable    # (q, k, v) -> (out, lse)
-    backward: Callable   # (dout, q, k, v, out, lse) -> (dq, dk, dv)
+    backward: Callable   # (dout, q, k, v, out, lse, dlse or None) -> (dq, dk, dv)
     train: Callable      # (q, k, v) -> (out, lse), out carrying the C++ node whose backward is the kernel's
     scale: float         # the options they were made for
     causal: bool
 
 
 def cpu_kernel_of(problem) -> CpuKernel | None:
-    """The C++ calls of torch's CPU kernel for a CPU problem it computes as flashtile defines it (square under a
-    causal mask), or None where the general path serves every call: no extension, or the kernel does not serve
-    the problem."""
+    """The C++ calls of the CPU kernels for a CPU problem one of them computes as flashtile defines it (host.cpp's
+    own kernel for small problems, any causal shape; torch's where the problem is square under a causal mask),
+    or None where the general path serves every call: no extension, or neither kernel serves the problem."""
     q, k, v = problem.q, problem.k, problem.v
     left, right = problem.window
     if problem.varlen or not cpu_kernel.serves(q, k, v, left, right, problem.softcap, problem.alibi_slopes):
         return None
-    if right == 0 and q.shape[1] != k.shape[1]:  # the kernel's causal mask is top-left aligned: square only
-        return None
     module = extension()
     if module is None:
         return None
+    # torch's kernel's causal mask is top-left aligned: it serves square problems only
+    if right == 0 and q.shape[1] != k.shape[1] and not module.own_kernel_serves(q, k, v):
+        return None
     scale, causal = problem.scale, right == 0
     return CpuKernel(lambda q, k, v: module.cpu_forward(q, k, v, scale, causal),
-                     lambda dout, q, k, v, out, lse: module.cpu_backward(dout, q, k, v, out, lse, scale, causal),
+                     lambda dout, q, k, v, out, lse, dlse: module.cpu_backward(dout, q, k, v, out, lse, dlse, scale,
+                                                                              causal),
                      lambda q, k, v: module.cpu_train(q, k, v, scale, causal), scale, causal)

@@ -456,6 +456,737 @@ bool all_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   return finite(q) && finite(k) && finite(v);
 }
 
+// ---- The CPU's own kernel for small problems -----------------------------------------------------------------
+
+// Up to about a million multiply-adds a head, torch's fused kernel spends much of a call on fixed costs
+// (its buffers, its blocking, a GEMM call per block), and its inputs must be scanned for NaN and Inf first. This
+// kernel serves those problems whole: flashtile's definition (reference.py), bottom-right causal masks of any
+// shape, GQA, fp32/fp64/bf16/fp16 operands of any strides, computed in fp32 (fp64 for fp64). It reads every input
+// once, and NaN and Inf take the paths reference.py's rules give them: scores are computed from q and k as they
+// are (IEEE arithmetic spreads a NaN to the row that read it), while the products that spread values over other
+// rows or keys (P V, dS K, dS^T Q) read a vector holding a NaN or Inf as zeros, as the chunked loop does, and a
+// row that sees such a value vector is NaN. So it needs no separate scan.
+//
+// Each (batch, head) works on its own buffers (its keys and values converted once, then blocks of query rows):
+// memory grows with seqlen_k * head_dim, never seqlen_q * seqlen_k. The scores of a block are exact two-pass
+// softmax over all the keys its rows see. The products are loops over small fixed tiles that the compiler keeps
+// in registers and vectorises (fp contraction on, so multiply-adds fuse), cloned for AVX-512 and AVX2 like the
+// scan above.
+#if defined(__GNUC__) && !defined(__clang__)
+#define FT_KERNEL_OPTIONS __attribute__((optimize("O3", "fp-contract=fast")))
+#else
+#define FT_KERNEL_OPTIONS
+#endif
+#if defined(__GNUC__)
+#define FT_KERNEL_INLINE inline __attribute__((always_inline)) FT_KERNEL_OPTIONS
+#else
+#define FT_KERNEL_INLINE inline
+#endif
+
+// The products' register tiles, written with the compiler's vector types (GCC and Clang) so that every tile
+// compiles to the same plain loads, broadcasts and multiply-adds: kWideRows x kWideCols where the columns allow
+// it, else kNarrowRows x kNarrowCols (eight vectors of accumulators either way with AVX-512; narrower machines
+// split each 64-byte vector). Key counts and head dims are padded to kNarrowCols.
+constexpr int64_t kVectorBytes = 64;
+typedef float FloatVector __attribute__((vector_size(kVectorBytes)));
+typedef double DoubleVector __attribute__((vector_size(kVectorBytes)));
+template <class Acc>
+using VectorOf = std::conditional_t<std::is_same_v<Acc, float>, FloatVector, DoubleVector>;
+constexpr int64_t kWideRows = 4;
+constexpr int64_t kWideCols = 32;
+constexpr int64_t kNarrowRows = 8;
+constexpr int64_t kNarrowCols = 16;
+constexpr int64_t kPad = kNarrowCols;
+constexpr int64_t kBlockRows = 16;   // query rows per block (a multiple of both tiles' rows)
+constexpr int64_t kLanes = 16;       // partial sums and maxima per row reduction (a divisor of kPad)
+constexpr double kLog2e = 1.4426950408889634;  // scores are kept in base 2: softmax weights are exp2 of them
+constexpr double kLn2 = 0.6931471805599453;
+
+inline int64_t padded(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+template <class Acc>
+FT_KERNEL_INLINE VectorOf<Acc> load_lanes(const Acc* from) {
+  VectorOf<Acc> v;
+  std::memcpy(&v, from, sizeof(v));
+  return v;
+}
+template <class Acc>
+FT_KERNEL_INLINE void store_lanes(Acc* to, const VectorOf<Acc>& v) {
+  std::memcpy(to, &v, sizeof(v));
+}
+
+// C (rows x cols, ldc) = A (rows x depth, lda) B (depth x cols, ldb), rows a multiple of R, cols of C.
+template <int64_t R, int64_t C, class Acc>
+FT_KERNEL_INLINE void product_t(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, Acc* c, int64_t ldc,
+                                int64_t rows, int64_t depth, int64_t cols) {
+  constexpr int64_t kLanesPer = kVectorBytes / sizeof(Acc), kVectors = C / kLanesPer;
+  static_assert(C % kLanesPer == 0, "a tile is whole vectors");
+  for (int64_t r0 = 0; r0 < rows; r0 += R) {
+    for (int64_t c0 = 0; c0 < cols; c0 += C) {
+      VectorOf<Acc> tile[R][kVectors] = {};
+      for (int64_t e = 0; e < depth; ++e) {
+        VectorOf<Acc> line[kVectors];
+        for (int64_t n = 0; n < kVectors; ++n) line[n] = load_lanes(b + e * ldb + c0 + n * kLanesPer);
+        for (int64_t r = 0; r < R; ++r) {
+          const Acc x = a[(r0 + r) * lda + e];
+          for (int64_t n = 0; n < kVectors; ++n) tile[r][n] += x * line[n];
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t n = 0; n < kVectors; ++n) store_lanes(c + (r0 + r) * ldc + c0 + n * kLanesPer, tile[r][n]);
+      }
+    }
+  }
+}
+
+// C (cols x width, ldc) += A^T B: A (rows x cols, lda), B (rows x width, ldb); cols a multiple of R, width of C.
+template <int64_t R, int64_t C, class Acc>
+FT_KERNEL_INLINE void product_tn_t(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, Acc* c, int64_t ldc,
+                                   int64_t rows, int64_t cols, int64_t width) {
+  constexpr int64_t kLanesPer = kVectorBytes / sizeof(Acc), kVectors = C / kLanesPer;
+  static_assert(C % kLanesPer == 0, "a tile is whole vectors");
+  for (int64_t j0 = 0; j0 < cols; j0 += R) {
+    for (int64_t c0 = 0; c0 < width; c0 += C) {
+      VectorOf<Acc> tile[R][kVectors];
+      for (int64_t j = 0; j < R; ++j) {
+        for (int64_t n = 0; n < kVectors; ++n) tile[j][n] = load_lanes(c + (j0 + j) * ldc + c0 + n * kLanesPer);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        VectorOf<Acc> line[kVectors];
+        for (int64_t n = 0; n < kVectors; ++n) line[n] = load_lanes(b + r * ldb + c0 + n * kLanesPer);
+        for (int64_t j = 0; j < R; ++j) {
+          const Acc x = a[r * lda + j0 + j];
+          for (int64_t n = 0; n < kVectors; ++n) tile[j][n] += x * line[n];
+        }
+      }
+      for (int64_t j = 0; j < R; ++j) {
+        for (int64_t n = 0; n < kVectors; ++n) store_lanes(c + (j0 + j) * ldc + c0 + n * kLanesPer, tile[j][n]);
+      }
+    }
+  }
+}
+
+// 2^x for x <= 0 (and NaN), in fp32: 2^round(x) by its exponent bits times 2^f, |f| <= 1/2, by its Taylor
+// polynomial to degree 7 (truncation below 6e-9 relative). Branch-free, so that the loops calling it vectorise.
+// Below 2^-126 (subnormal weights, < 1e-38 of the row's largest) it gives 0, as it does for -inf; NaN stays NaN.
+constexpr float kExp2Min = -126.0f;
+constexpr float kRoundingShift = 12582912.0f;  // 1.5 * 2^23: adding it rounds a float of |x| < 2^22 to an integer
+constexpr int32_t kExponentBias = 127;
+constexpr int kMantissaBits = 23;
+
+FT_KERNEL_INLINE float exp2_of(float x) {
+  const float clamped = x < kExp2Min ? kExp2Min : x;
+  const float shifted = clamped + kRoundingShift;
+  const float whole = shifted - kRoundingShift;
+  const float f = clamped - whole;
+  int32_t shifted_bits, shift_bits;
+  std::memcpy(&shifted_bits, &shifted, sizeof(float));
+  std::memcpy(&shift_bits, &kRoundingShift, sizeof(float));
+  const int32_t power_bits = (shifted_bits - shift_bits + kExponentBias) << kMantissaBits;
+  float power;
+  std::memcpy(&power, &power_bits, sizeof(float));
+  const float g = f * static_cast<float>(kLn2);  // 2^f = e^g
+  float poly = 1.0f / 5040.0f;
+  poly = poly * g + 1.0f / 720.0f;
+  poly = poly * g + 1.0f / 120.0f;
+  poly = poly * g + 1.0f / 24.0f;
+  poly = poly * g + 1.0f / 6.0f;
+  poly = poly * g + 0.5f;
+  poly = poly * g + 1.0f;
+  poly = poly * g + 1.0f;
+  const float value = poly * power;
+  return x < kExp2Min ? 0.0f : (x != x ? x : value);
+}
+FT_KERNEL_INLINE double exp2_of(double x) { return std::exp2(x); }
+
+// A row of base-2 scores s[0, width) whose first `visible` keys the row sees, made its softmax weights
+// exp2(s - max), 0 past `visible`; returns (max, sum of the weights). A NaN score leaves the max alone but makes
+// its weight, and so the sum, NaN.
+template <class Acc>
+FT_KERNEL_INLINE std::pair<Acc, Acc> softmax_row_t(Acc* s, int64_t visible, int64_t width) {
+  constexpr Acc kMinusInf = -std::numeric_limits<Acc>::infinity();
+  Acc lanes[kLanes];
+  for (int64_t t = 0; t < kLanes; ++t) lanes[t] = kMinusInf;
+  for (int64_t j0 = 0; j0 < width; j0 += kLanes) {
+    for (int64_t t = 0; t < kLanes; ++t) {
+      const Acc x = j0 + t < visible ? s[j0 + t] : kMinusInf;
+      lanes[t] = lanes[t] < x ? x : lanes[t];
+    }
+  }
+  Acc largest = kMinusInf;
+  for (int64_t t = 0; t < kLanes; ++t) largest = largest < lanes[t] ? lanes[t] : largest;
+  for (int64_t t = 0; t < kLanes; ++t) lanes[t] = 0;
+  for (int64_t j0 = 0; j0 < width; j0 += kLanes) {
+    for (int64_t t = 0; t < kLanes; ++t) {
+      const Acc p = j0 + t < visible ? exp2_of(s[j0 + t] - largest) : Acc(0);
+      s[j0 + t] = p;
+      lanes[t] += p;
+    }
+  }
+  Acc total = 0;
+  for (int64_t t = 0; t < kLanes; ++t) total += lanes[t];
+  return {largest, total};
+}
+
+// The backward's weights and score gradients of a row: p = exp2(s - lse2) and ds = p (dp - delta) over the
+// first `visible` keys, both exactly 0 past them (whatever NaN the row holds).
+template <class Acc>
+FT_KERNEL_INLINE void gradient_row_t(Acc* s, Acc* dp, Acc lse2, Acc delta, int64_t visible, int64_t width) {
+  for (int64_t j = 0; j < width; ++j) {
+    const Acc p = j < visible ? exp2_of(s[j] - lse2) : Acc(0);
+    s[j] = p;
+    dp[j] = j < visible ? p * (dp[j] - delta) : Acc(0);
+  }
+}
+
+// The products with the tile their columns allow. The fp32 copies are cloned for the machine (see the scan
+// above); fp64 runs the same templates as they are.
+template <class Acc>
+FT_KERNEL_INLINE void product_any(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, Acc* c, int64_t ldc,
+                                  int64_t rows, int64_t depth, int64_t cols) {
+  if (cols % kWideCols == 0) {
+    product_t<kWideRows, kWideCols>(a, lda, b, ldb, c, ldc, rows, depth, cols);
+  } else {
+    product_t<kNarrowRows, kNarrowCols>(a, lda, b, ldb, c, ldc, rows, depth, cols);
+  }
+}
+template <class Acc>
+FT_KERNEL_INLINE void product_tn_any(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, Acc* c, int64_t ldc,
+                                     int64_t rows, int64_t cols, int64_t width) {
+  if (width % kWideCols == 0) {
+    product_tn_t<kWideRows, kWideCols>(a, lda, b, ldb, c, ldc, rows, cols, width);
+  } else {
+    product_tn_t<kNarrowRows, kNarrowCols>(a, lda, b, ldb, c, ldc, rows, cols, width);
+  }
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void product(const float* a, int64_t lda, const float* b, int64_t ldb,
+                                                    float* c, int64_t ldc, int64_t rows, int64_t depth, int64_t cols) {
+  product_any(a, lda, b, ldb, c, ldc, rows, depth, cols);
+}
+static void product(const double* a, int64_t lda, const double* b, int64_t ldb, double* c, int64_t ldc, int64_t rows,
+                    int64_t depth, int64_t cols) {
+  product_any(a, lda, b, ldb, c, ldc, rows, depth, cols);
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void product_tn(const float* a, int64_t lda, const float* b, int64_t ldb,
+                                                       float* c, int64_t ldc, int64_t rows, int64_t cols,
+                                                       int64_t width) {
+  product_tn_any(a, lda, b, ldb, c, ldc, rows, cols, width);
+}
+static void product_tn(const double* a, int64_t lda, const double* b, int64_t ldb, double* c, int64_t ldc,
+                       int64_t rows, int64_t cols, int64_t width) {
+  product_tn_any(a, lda, b, ldb, c, ldc, rows, cols, width);
+}
+
+// The dot product of two vectors of n elements (n a multiple of kLanes), in kLanes partial sums: one chain of n
+// dependent adds would take longer than the products around it.
+template <class Acc>
+FT_KERNEL_INLINE Acc row_dot_t(const Acc* a, const Acc* b, int64_t n) {
+  Acc lanes[kLanes] = {};
+  for (int64_t e0 = 0; e0 < n; e0 += kLanes) {
+    for (int64_t t = 0; t < kLanes; ++t) lanes[t] += a[e0 + t] * b[e0 + t];
+  }
+  Acc total = 0;
+  for (int64_t t = 0; t < kLanes; ++t) total += lanes[t];
+  return total;
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static float row_dot(const float* a, const float* b, int64_t n) {
+  return row_dot_t(a, b, n);
+}
+static double row_dot(const double* a, const double* b, int64_t n) { return row_dot_t(a, b, n); }
+
+// softmax_row_t and gradient_row_t over the first `rows` rows of a block (row r at s + r * ld), `visible[r]`
+// keys each: one call a block.
+template <class Acc>
+FT_KERNEL_INLINE void softmax_block_t(Acc* s, int64_t ld, int64_t rows, const int64_t* visible, int64_t width,
+                                      Acc* largest, Acc* total) {
+  for (int64_t r = 0; r < rows; ++r) {
+    std::tie(largest[r], total[r]) = softmax_row_t(s + r * ld, visible[r], width);
+  }
+}
+template <class Acc>
+FT_KERNEL_INLINE void gradient_block_t(Acc* s, Acc* dp, int64_t ld, int64_t rows, const Acc* lse2, const Acc* delta,
+                                       const int64_t* visible, int64_t width) {
+  for (int64_t r = 0; r < rows; ++r) {
+    gradient_row_t(s + r * ld, dp + r * ld, lse2[r], delta[r], visible[r], width);
+  }
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void softmax_block(float* s, int64_t ld, int64_t rows, const int64_t* visible,
+                                                          int64_t width, float* largest, float* total) {
+  softmax_block_t(s, ld, rows, visible, width, largest, total);
+}
+static void softmax_block(double* s, int64_t ld, int64_t rows, const int64_t* visible, int64_t width, double* largest,
+                          double* total) {
+  softmax_block_t(s, ld, rows, visible, width, largest, total);
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void gradient_block(float* s, float* dp, int64_t ld, int64_t rows,
+                                                           const float* lse2, const float* delta,
+                                                           const int64_t* visible, int64_t width) {
+  gradient_block_t(s, dp, ld, rows, lse2, delta, visible, width);
+}
+static void gradient_block(double* s, double* dp, int64_t ld, int64_t rows, const double* lse2, const double* delta,
+                           const int64_t* visible, int64_t width) {
+  gradient_block_t(s, dp, ld, rows, lse2, delta, visible, width);
+}
+
+// A (batch, seqlen, heads, dim) operand read through its strides.
+template <class In>
+struct Operand {
+  const In* data;
+  int64_t sb, ss, sh, sd;
+  explicit Operand(const at::Tensor& t)
+      : data(t.const_data_ptr<In>()), sb(t.stride(0)), ss(t.stride(1)), sh(t.stride(2)), sd(t.stride(3)) {}
+  const In* at(int64_t b, int64_t s, int64_t h) const { return data + b * sb + s * ss + h * sh; }
+};
+
+// (batch, heads, seqlen) per-row values (the LSE, its gradient) read through their strides, as Acc.
+struct RowValues {
+  const at::Tensor* t;
+  int64_t sb = 0, sh = 0, ss = 0;
+  explicit RowValues(const at::Tensor& x) : t(&x) {
+    if (x.defined()) sb = x.stride(0), sh = x.stride(1), ss = x.stride(2);
+  }
+  template <class Acc>
+  Acc at(int64_t b, int64_t h, int64_t s) const {
+    const int64_t i = b * sb + h * sh + s * ss;
+    return t->scalar_type() == at::kDouble ? static_cast<Acc>(t->const_data_ptr<double>()[i])
+                                           : static_cast<Acc>(t->const_data_ptr<float>()[i]);
+  }
+};
+
+// Whether x[0, n) holds no NaN or Inf: with the sign cleared, the largest bit pattern lies below the all-ones
+// exponent (an integer max, which vectorises, as in the scan above).
+template <class Acc>
+FT_KERNEL_INLINE bool finite_values_t(const Acc* x, int64_t n) {
+  using Bits = std::conditional_t<sizeof(Acc) == sizeof(uint32_t), uint32_t, uint64_t>;
+  constexpr Bits kMagnitude = ~Bits(0) >> 1;
+  constexpr Bits kExponent = sizeof(Acc) == sizeof(uint32_t) ? Bits(0x7f800000u) : Bits(0x7ff0000000000000ull);
+  Bits largest = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    Bits bits;
+    std::memcpy(&bits, x + e, sizeof(Bits));
+    largest = std::max<Bits>(largest, bits & kMagnitude);
+  }
+  return largest < kExponent;
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static bool finite_values(const float* x, int64_t n) { return finite_values_t(x, n); }
+static bool finite_values(const double* x, int64_t n) { return finite_values_t(x, n); }
+
+// Copy vector x (n elements, stride sd) to `to` as Acc.
+template <class In, class Acc>
+FT_KERNEL_INLINE void load_vector(const In* x, int64_t sd, int64_t n, Acc* to) {
+  if (sd == 1) {
+    for (int64_t e = 0; e < n; ++e) to[e] = static_cast<Acc>(x[e]);
+  } else {
+    for (int64_t e = 0; e < n; ++e) to[e] = static_cast<Acc>(x[e * sd]);
+  }
+}
+
+// Zero the vectors (rows of `dim` elements, ld apart) of `from` that hold a NaN or Inf, into `to` (which may be
+// `from`); the first such row (`count` if none). One check of the whole block first: almost always it is clean.
+template <class Acc>
+int64_t zero_nonfinite_rows(const Acc* from, Acc* to, int64_t ld, int64_t count, int64_t dim) {
+  if (finite_values(from, count * ld)) {
+    if (to != from) std::copy(from, from + count * ld, to);
+    return count;
+  }
+  int64_t first = count;
+  for (int64_t j = 0; j < count; ++j) {
+    const bool ok = finite_values(from + j * ld, dim);
+    if (!ok) first = std::min(first, j);
+    if (!ok) {
+      std::fill(to + j * ld, to + j * ld + dim, Acc(0));
+    } else if (to != from) {
+      std::copy(from + j * ld, from + j * ld + dim, to + j * ld);
+    }
+  }
+  return first;
+}
+
+// One problem's shape and the keys a query row sees (the first `visible(i)`: causal masks are bottom-right
+// aligned, so row i sees keys j <= i + seqlen_k - seqlen_q).
+struct Shape {
+  int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, dim, group, keys_padded, dim_padded;
+  bool causal;
+  Shape(const at::Tensor& q, const at::Tensor& k, bool causal)
+      : batch(q.size(0)), seqlen_q(q.size(1)), seqlen_k(k.size(1)), heads_q(q.size(2)), heads_kv(k.size(2)),
+        dim(q.size(3)), group(q.size(2) / k.size(2)), keys_padded(padded(k.size(1), kPad)),
+        dim_padded(padded(q.size(3), kPad)), causal(causal) {}
+  int64_t visible(int64_t row) const {
+    if (!causal) return seqlen_k;
+    return std::clamp<int64_t>(row + seqlen_k - seqlen_q + 1, 0, seqlen_k);
+  }
+};
+
+// to[e * ld_to + j] = from[j * ld_from + e] for j < count, e < dim: a transpose by tiles of kPad rows, so
+// that the stores run along `to`'s rows (one at a time down its columns, they cost more than the products).
+template <class Acc>
+FT_KERNEL_INLINE void transpose(const Acc* from, int64_t ld_from, int64_t count, int64_t dim, Acc* to, int64_t ld_to) {
+  for (int64_t j0 = 0; j0 < count; j0 += kPad) {
+    const int64_t n = std::min(kPad, count - j0);
+    for (int64_t e = 0; e < dim; ++e) {
+      for (int64_t j = 0; j < n; ++j) to[e * ld_to + j0 + j] = from[(j0 + j) * ld_from + e];
+    }
+  }
+}
+
+// One (batch, kv head)'s keys and values as the products read them: K^T (dim x keys_padded) as given, and the
+// vectors with a NaN or Inf zeroed, K and V (keys_padded x dim_padded) and V^T; the first key whose value vector
+// was zeroed (seqlen_k if none). The buffers are made (zero, so padding is zero) once per thread; each load
+// writes every element that is not padding.
+template <class Acc>
+struct KeysValues {
+  std::vector<Acc> k_rows, k_t, k_finite, v_finite, v_finite_t;
+  const Acc* k_finite_rows = nullptr;  // k_rows where every key is finite (no copy), else k_finite
+  int64_t first_bad_v = 0;
+
+  KeysValues(const Shape& p, bool backward)
+      : k_rows(p.keys_padded * p.dim_padded), k_t(p.dim * p.keys_padded), v_finite(p.keys_padded * p.dim_padded) {
+    if (backward) {
+      k_finite.resize(p.keys_padded * p.dim_padded);
+      v_finite_t.resize(p.dim * p.keys_padded);
+    }
+  }
+
+  template <class In>
+  FT_KERNEL_INLINE void load(const Shape& p, const Operand<In>& k, const Operand<In>& v, int64_t b, int64_t hk) {
+    for (int64_t j = 0; j < p.seqlen_k; ++j) {
+      load_vector(k.at(b, j, hk), k.sd, p.dim, k_rows.data() + j * p.dim_padded);
+      load_vector(v.at(b, j, hk), v.sd, p.dim, v_finite.data() + j * p.dim_padded);
+    }
+    first_bad_v = zero_nonfinite_rows(v_finite.data(), v_finite.data(), p.dim_padded, p.seqlen_k, p.dim);
+    transpose(k_rows.data(), p.dim_padded, p.seqlen_k, p.dim, k_t.data(), p.keys_padded);
+    if (!k_finite.empty()) {
+      const bool k_clean = finite_values(k_rows.data(), p.seqlen_k * p.dim_padded);
+      k_finite_rows = k_clean ? k_rows.data() : k_finite.data();
+      if (!k_clean) zero_nonfinite_rows(k_rows.data(), k_finite.data(), p.dim_padded, p.seqlen_k, p.dim);
+      transpose(v_finite.data(), p.dim_padded, p.seqlen_k, p.dim, v_finite_t.data(), p.keys_padded);
+    }
+  }
+};
+
+// Work items below this many multiply-adds run on one thread: parallel_for's wake-up costs more than they take.
+constexpr int64_t kParallelWork = int64_t{1} << 17;
+
+// The work items [first, last) of own_forward_typed (and below, own_backward_typed): inline bodies, so that the
+// copies for each input type, cloned for the machine like the products (fp64's not: gradcheck's type), vectorise
+// their copies and conversions too.
+template <class In, class Acc>
+struct ForwardWork {
+  const Shape& p;
+  const Operand<In>& q;
+  const Operand<In>& k;
+  const Operand<In>& v;
+  In* out_data;
+  float* lse_data;
+  Acc q_factor;
+};
+
+template <class In, class Acc>
+FT_KERNEL_INLINE void forward_items_t(const ForwardWork<In, Acc>& w, int64_t first, int64_t last) {
+  const Shape& p = w.p;
+  const Operand<In>& q = w.q;
+  const Operand<In>& k = w.k;
+  const Operand<In>& v = w.v;
+  In* out_data = w.out_data;
+  float* lse_data = w.lse_data;
+  const Acc q_factor = w.q_factor;
+  KeysValues<Acc> kv(p, false);
+  std::vector<Acc> q_block(kBlockRows * p.dim_padded), scores(kBlockRows * p.keys_padded),
+      o_block(kBlockRows * p.dim_padded);
+  int64_t loaded = -1;  // the (batch, kv head) whose keys kv holds
+  for (int64_t item = first; item < last; ++item) {
+    const int64_t b = item / p.heads_q, h = item % p.heads_q, hk = h / p.group;
+    if (b * p.heads_kv + hk != loaded) {
+      kv.load(p, k, v, b, hk);
+      loaded = b * p.heads_kv + hk;
+    }
+    for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kBlockRows) {
+      const int64_t rows = std::min(kBlockRows, p.seqlen_q - r0);
+      const int64_t tile_rows = padded(rows, kNarrowRows);  // what the products compute: few padding rows
+      const int64_t keys = p.visible(r0 + rows - 1);
+      const int64_t keys_padded = padded(keys, kPad);
+      std::fill(q_block.begin() + rows * p.dim_padded, q_block.end(), Acc(0));  // past the last row
+      for (int64_t r = 0; r < rows; ++r) {
+        Acc* line = q_block.data() + r * p.dim_padded;
+        load_vector(q.at(b, r0 + r, h), q.sd, p.dim, line);
+        for (int64_t e = 0; e < p.dim; ++e) line[e] *= q_factor;
+      }
+      if (keys_padded) {
+        product(q_block.data(), p.dim_padded, kv.k_t.data(), p.keys_padded, scores.data(), p.keys_padded,
+                tile_rows, p.dim, keys_padded);
+      }
+      Acc largest[kBlockRows], total[kBlockRows];
+      int64_t visible[kBlockRows];
+      for (int64_t r = 0; r < tile_rows; ++r) visible[r] = r < rows ? p.visible(r0 + r) : 0;
+      softmax_block(scores.data(), p.keys_padded, tile_rows, visible, keys_padded, largest, total);
+      if (keys_padded) {
+        product(scores.data(), p.keys_padded, kv.v_finite.data(), p.dim_padded, o_block.data(), p.dim_padded,
+                tile_rows, keys_padded, p.dim_padded);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = r0 + r, visible = p.visible(i);
+        In* o = out_data + ((b * p.seqlen_q + i) * p.heads_q + h) * p.dim;
+        float& row_lse = lse_data[(b * p.heads_q + h) * p.seqlen_q + i];
+        if (visible == 0) {
+          std::fill(o, o + p.dim, static_cast<In>(0));
+          row_lse = -std::numeric_limits<float>::infinity();
+          continue;
+        }
+        const Acc base2 = largest[r] + std::log2(total[r]);
+        row_lse = std::isfinite(base2) ? static_cast<float>(base2 * kLn2) : std::numeric_limits<float>::quiet_NaN();
+        const Acc inverse = Acc(1) / total[r];
+        const Acc* line = o_block.data() + r * p.dim_padded;
+        if (kv.first_bad_v < visible) {
+          std::fill(o, o + p.dim, static_cast<In>(std::numeric_limits<float>::quiet_NaN()));
+        } else {
+          for (int64_t e = 0; e < p.dim; ++e) o[e] = static_cast<In>(line[e] * inverse);
+        }
+      }
+    }
+  }
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void forward_items(const ForwardWork<float, float>& w, int64_t first,
+                                                          int64_t last) {
+  forward_items_t(w, first, last);
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void forward_items(const ForwardWork<c10::BFloat16, float>& w, int64_t first,
+                                                          int64_t last) {
+  forward_items_t(w, first, last);
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void forward_items(const ForwardWork<c10::Half, float>& w, int64_t first,
+                                                          int64_t last) {
+  forward_items_t(w, first, last);
+}
+FT_KERNEL_OPTIONS static void forward_items(const ForwardWork<double, double>& w, int64_t first, int64_t last) {
+  forward_items_t(w, first, last);
+}
+
+template <class In, class Acc>
+FT_KERNEL_OPTIONS void own_forward_typed(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, double scale,
+                                         bool causal, at::Tensor& out, at::Tensor& lse) {
+  const Shape p(q_, k_, causal);
+  const Operand<In> q(q_), k(k_), v(v_);
+  In* out_data = out.data_ptr<In>();
+  float* lse_data = lse.data_ptr<float>();
+  const Acc q_factor = static_cast<Acc>(scale * kLog2e);
+  const int64_t items = p.batch * p.heads_q;
+  const int64_t item_work = std::max<int64_t>(1, p.seqlen_q * p.seqlen_k * p.dim * 2);
+  at::parallel_for(0, items, std::max<int64_t>(1, kParallelWork / item_work), [&](int64_t first, int64_t last) {
+    forward_items(ForwardWork<In, Acc>{p, q, k, v, out_data, lse_data, q_factor}, first, last);
+  });
+}
+
+template <class In, class Acc>
+struct BackwardWork {
+  const Shape& p;
+  const Operand<In>& q;
+  const Operand<In>& k;
+  const Operand<In>& v;
+  const Operand<In>& dout;
+  const Operand<In>& out;
+  const RowValues& lse;
+  const RowValues& dlse;
+  bool with_dlse;
+  In* dq_data;
+  In* dk_data;
+  In* dv_data;
+  Acc q_factor, grad_scale;
+};
+
+template <class In, class Acc>
+FT_KERNEL_INLINE void backward_items_t(const BackwardWork<In, Acc>& w, int64_t first, int64_t last) {
+  const Shape& p = w.p;
+  const Operand<In>& q = w.q;
+  const Operand<In>& k = w.k;
+  const Operand<In>& v = w.v;
+  const Operand<In>& dout = w.dout;
+  const Operand<In>& out = w.out;
+  const RowValues& lse = w.lse;
+  const RowValues& dlse = w.dlse;
+  In* dq_data = w.dq_data;
+  In* dk_data = w.dk_data;
+  In* dv_data = w.dv_data;
+  const Acc q_factor = w.q_factor, grad_scale = w.grad_scale;
+  const Acc log2e = static_cast<Acc>(kLog2e), inf = std::numeric_limits<Acc>::infinity();
+  KeysValues<Acc> kv(p, true);
+  std::vector<Acc> q_block(kBlockRows * p.dim_padded), q_finite(kBlockRows * p.dim_padded),
+      dout_block(kBlockRows * p.dim_padded), dq_block(kBlockRows * p.dim_padded), out_line(p.dim_padded),
+      weights(kBlockRows * p.keys_padded), grads(kBlockRows * p.keys_padded),
+      dk_acc(p.keys_padded * p.dim_padded), dv_acc(p.keys_padded * p.dim_padded);
+  for (int64_t item = first; item < last; ++item) {
+    const int64_t b = item / p.heads_kv, hk = item % p.heads_kv;
+    kv.load(p, k, v, b, hk);
+    std::fill(dk_acc.begin(), dk_acc.end(), Acc(0));
+    std::fill(dv_acc.begin(), dv_acc.end(), Acc(0));
+    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
+      for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kBlockRows) {
+        const int64_t rows = std::min(kBlockRows, p.seqlen_q - r0);
+        const int64_t tile_rows = padded(rows, kNarrowRows);
+        const int64_t keys_padded = padded(p.visible(r0 + rows - 1), kPad);
+        if (keys_padded == 0) {  // no row of the block sees a key: dq is 0
+          for (int64_t r = 0; r < rows; ++r) {
+            In* dq_line = dq_data + ((b * p.seqlen_q + r0 + r) * p.heads_q + h) * p.dim;
+            std::fill(dq_line, dq_line + p.dim, static_cast<In>(0));
+          }
+          continue;
+        }
+        for (auto* block : {&q_block, &q_finite, &dout_block}) {  // past the last row
+          std::fill(block->begin() + rows * p.dim_padded, block->end(), Acc(0));
+        }
+        Acc lse2[kBlockRows], delta[kBlockRows];
+        for (int64_t r = 0; r < tile_rows; ++r) {
+          if (r >= rows) {
+            lse2[r] = inf;
+            delta[r] = 0;
+            continue;
+          }
+          const int64_t i = r0 + r;
+          Acc* q_line = q_block.data() + r * p.dim_padded;
+          Acc* q_finite_line = q_finite.data() + r * p.dim_padded;
+          load_vector(q.at(b, i, h), q.sd, p.dim, q_finite_line);
+          for (int64_t e = 0; e < p.dim; ++e) q_line[e] = q_finite_line[e] * q_factor;
+          Acc* dout_line = dout_block.data() + r * p.dim_padded;
+          load_vector(dout.at(b, i, h), dout.sd, p.dim, dout_line);
+          load_vector(out.at(b, i, h), out.sd, p.dim, out_line.data());
+          Acc d = row_dot(dout_line, out_line.data(), p.dim_padded);
+          if (w.with_dlse) d -= dlse.at<Acc>(b, h, i);
+          delta[r] = d;
+          const Acc row_lse = lse.at<Acc>(b, h, i);
+          lse2[r] = row_lse == -inf ? inf : row_lse * log2e;  // a row that sees no key: every weight 0
+        }
+        zero_nonfinite_rows(q_finite.data(), q_finite.data(), p.dim_padded, rows, p.dim);
+        product(q_block.data(), p.dim_padded, kv.k_t.data(), p.keys_padded, weights.data(), p.keys_padded,
+                tile_rows, p.dim, keys_padded);
+        product(dout_block.data(), p.dim_padded, kv.v_finite_t.data(), p.keys_padded, grads.data(), p.keys_padded,
+                tile_rows, p.dim, keys_padded);
+        int64_t visible[kBlockRows];
+        for (int64_t r = 0; r < tile_rows; ++r) visible[r] = r < rows ? p.visible(r0 + r) : 0;
+        gradient_block(weights.data(), grads.data(), p.keys_padded, tile_rows, lse2, delta, visible, keys_padded);
+        product_tn(weights.data(), p.keys_padded, dout_block.data(), p.dim_padded, dv_acc.data(), p.dim_padded,
+                   rows, keys_padded, p.dim_padded);
+        product_tn(grads.data(), p.keys_padded, q_finite.data(), p.dim_padded, dk_acc.data(), p.dim_padded,
+                   rows, keys_padded, p.dim_padded);
+        product(grads.data(), p.keys_padded, kv.k_finite_rows, p.dim_padded, dq_block.data(), p.dim_padded,
+                tile_rows, keys_padded, p.dim_padded);
+        for (int64_t r = 0; r < rows; ++r) {
+          In* dq_line = dq_data + ((b * p.seqlen_q + r0 + r) * p.heads_q + h) * p.dim;
+          const Acc* line = dq_block.data() + r * p.dim_padded;
+          for (int64_t e = 0; e < p.dim; ++e) dq_line[e] = static_cast<In>(line[e] * grad_scale);
+        }
+      }
+    }
+    for (int64_t j = 0; j < p.seqlen_k; ++j) {
+      In* dk_line = dk_data + ((b * p.seqlen_k + j) * p.heads_kv + hk) * p.dim;
+      In* dv_line = dv_data + ((b * p.seqlen_k + j) * p.heads_kv + hk) * p.dim;
+      const Acc* dk_from = dk_acc.data() + j * p.dim_padded;
+      const Acc* dv_from = dv_acc.data() + j * p.dim_padded;
+      for (int64_t e = 0; e < p.dim; ++e) {
+        dk_line[e] = static_cast<In>(dk_from[e] * grad_scale);
+        dv_line[e] = static_cast<In>(dv_from[e]);
+      }
+    }
+  }
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void backward_items(const BackwardWork<float, float>& w, int64_t first,
+                                                           int64_t last) {
+  backward_items_t(w, first, last);
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void backward_items(const BackwardWork<c10::BFloat16, float>& w,
+                                                           int64_t first, int64_t last) {
+  backward_items_t(w, first, last);
+}
+FT_CPU_CLONES FT_KERNEL_OPTIONS static void backward_items(const BackwardWork<c10::Half, float>& w, int64_t first,
+                                                           int64_t last) {
+  backward_items_t(w, first, last);
+}
+FT_KERNEL_OPTIONS static void backward_items(const BackwardWork<double, double>& w, int64_t first, int64_t last) {
+  backward_items_t(w, first, last);
+}
+
+template <class In, class Acc>
+FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_,
+                                          const at::Tensor& v_, const at::Tensor& out_, const at::Tensor& lse_,
+                                          const at::Tensor& dlse_, double scale, bool causal, at::Tensor& dq,
+                                          at::Tensor& dk, at::Tensor& dv) {
+  const Shape p(q_, k_, causal);
+  const Operand<In> q(q_), k(k_), v(v_), dout(dout_), out(out_);
+  const RowValues lse(lse_), dlse(dlse_);
+  In* dq_data = dq.data_ptr<In>();
+  In* dk_data = dk.data_ptr<In>();
+  In* dv_data = dv.data_ptr<In>();
+  const Acc q_factor = static_cast<Acc>(scale * kLog2e), grad_scale = static_cast<Acc>(scale);
+  const int64_t items = p.batch * p.heads_kv;
+  const int64_t item_work = std::max<int64_t>(1, p.group * p.seqlen_q * p.seqlen_k * p.dim * 4);
+  at::parallel_for(0, items, std::max<int64_t>(1, kParallelWork / item_work), [&](int64_t first, int64_t last) {
+    const BackwardWork<In, Acc> work{p,   q,    k,    v,    dout, out, lse, dlse, dlse_.defined(),
+                                     dq_data, dk_data, dv_data, q_factor, grad_scale};
+    backward_items(work, first, last);
+  });
+}
+
+// Problems this kernel takes: head_dim_v == head_dim (the caller's cpu_kernel.serves checked it, with no softcap,
+// ALiBi or window), the four float types, and where it measured faster than torch's kernel (notes.md, "CPU small
+// shapes (session sixteen)"): at most kOwnWork multiply-adds per (batch, query head) and kOwnSeqlen keys; at
+// least kOwnMinQueries queries, over which each head's copy of its keys and values is spread; and at most
+// kOwnKeyValues elements of K (batch x seqlen_k x heads_kv x head_dim), past which those copies stream from memory
+// (b8 h32 q16 k128 d128 ran at 0.73x torch's kernel).
+constexpr int64_t kOwnWork = int64_t{1} << 20;
+constexpr int64_t kOwnSeqlen = 256;
+constexpr int64_t kOwnMinQueries = 4;
+constexpr int64_t kOwnKeyValues = int64_t{1} << 20;
+
+bool own_kernel_serves(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const auto type = q.scalar_type();
+  if (type != at::kFloat && type != at::kDouble && type != at::kBFloat16 && type != at::kHalf) return false;
+  if (k.scalar_type() != type || v.scalar_type() != type || q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return false;
+  if (q.size(3) != v.size(3) || q.size(3) != k.size(3) || k.size(2) == 0 || q.size(2) % k.size(2)) return false;
+  return k.size(1) <= kOwnSeqlen && q.size(1) >= kOwnMinQueries && q.size(1) * k.size(1) * q.size(3) <= kOwnWork &&
+         k.size(0) * k.size(1) * k.size(2) * k.size(3) <= kOwnKeyValues;
+}
+
+#define FT_OWN_DISPATCH(type, call)                                                    \
+  switch (type) {                                                                      \
+    case at::kFloat: call(float, float); break;                                        \
+    case at::kDouble: call(double, double); break;                                     \
+    case at::kBFloat16: call(c10::BFloat16, float); break;                             \
+    case at::kHalf: call(c10::Half, float); break;                                     \
+    default: require(false, "flashtile: the CPU kernel takes no ", c10::toString(type)); \
+  }
+
+// (out, lse) as cpu_forward returns them: out contiguous (b, s_q, h_q, d) in q's dtype, lse fp32 (b, h_q, s_q).
+std::tuple<at::Tensor, at::Tensor> own_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               double scale, bool causal) {
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  poison({&out, &lse});
+#define FT_OWN_FORWARD(In, Acc) own_forward_typed<In, Acc>(q, k, v, scale, causal, out, lse)
+  FT_OWN_DISPATCH(q.scalar_type(), FT_OWN_FORWARD)
+#undef FT_OWN_FORWARD
+  return {out, lse};
+}
+
+// (dq, dk, dv), contiguous and shaped like q, k, v; dlse undefined where the loss does not use the LSE.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> own_backward(const at::Tensor& dout, const at::Tensor& q,
+                                                            const at::Tensor& k, const at::Tensor& v,
+                                                            const at::Tensor& out, const at::Tensor& lse,
+                                                            const at::Tensor& dlse, double scale, bool causal) {
+  if (dout.scalar_type() != q.scalar_type() || out.scalar_type() != q.scalar_type()) {
+    return own_backward(dout.to(q.scalar_type()), q, k, v, out.to(q.scalar_type()), lse, dlse, scale, causal);
+  }
+  const auto contiguous = q.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor dq = at::empty(q.sizes(), contiguous), dk = at::empty(k.sizes(), contiguous),
+             dv = at::empty(v.sizes(), contiguous);
+  poison({&dq, &dk, &dv});
+  const at::Tensor lse_accum = lse.scalar_type() == at::kDouble ? lse : lse.to(at::kFloat);
+  const at::Tensor dlse_accum =
+      !dlse.defined() || dlse.scalar_type() == at::kDouble ? dlse : dlse.to(at::kFloat);
+#define FT_OWN_BACKWARD(In, Acc) \
+  own_backward_typed<In, Acc>(dout, q, k, v, out, lse_accum, dlse_accum, scale, causal, dq, dk, dv)
+  FT_OWN_DISPATCH(q.scalar_type(), FT_OWN_BACKWARD)
+#undef FT_OWN_BACKWARD
+  return {dq, dk, dv};
+}
+
 // torch's CPU FlashAttention kernel on (b, s, h, d) operands where it computes flashtile's definition (no softcap,
 // ALiBi or window; causal only when seqlen_q == seqlen_k: the caller decides): a contiguous (b, s_q, h_q, d) output
 // (the kernel writes that layout) and an fp32 (b, h_q, s_q) LSE laid out as the kernel writes it, over
@@ -464,6 +1195,8 @@ bool all_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 // in q), and the Python path applies the rules. So the inputs are checked, not the outputs.
 std::optional<std::tuple<at::Tensor, at::Tensor>> kernel_forward(const at::Tensor& q, const at::Tensor& k,
                                                                  const at::Tensor& v, double scale, bool causal) {
+  if (own_kernel_serves(q, k, v)) return own_forward(q, k, v, scale, causal);
+  require(!causal || q.size(1) == k.size(1), "flashtile: torch's CPU kernel masks square problems only");
   if (!all_finite(q, k, v)) return std::nullopt;
   // Below autograd's dispatch: nothing here is recorded (the callers switch gradients off), and a view or a
   // kernel then skips autograd's and the view tracker's layers. Safe because nothing here writes in place, and
@@ -487,6 +1220,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(at::Tensor dout, const at::Tensor& q, const at::Tensor& k,
                                                                const at::Tensor& v, const at::Tensor& out,
                                                                const at::Tensor& lse, double scale, bool causal) {
+  if (own_kernel_serves(q, k, v)) return own_backward(dout, q, k, v, out, lse, at::Tensor(), scale, causal);
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in cpu_forward
   if (dout.stride(-1) != 1) dout = dout.contiguous();
   const at::Tensor lse_accum = lse.to(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
@@ -497,11 +1231,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(at::Tensor dout, 
 }
 
 // cpu_kernel.backward's square case, for ops.Attention's node: None when q, k or v is not finite (that node does
-// not know which path its forward took).
+// not know which path its forward took), or where the loss uses the LSE (dlse given), which torch's kernel has
+// no term for. The own kernel takes both.
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> cpu_backward(
     at::Tensor dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, double scale, bool causal) {
-  if (!all_finite(q, k, v)) return std::nullopt;
+    const at::Tensor& lse, std::optional<at::Tensor> dlse, double scale, bool causal) {
+  if (own_kernel_serves(q, k, v)) {
+    return own_backward(dout, q, k, v, out, lse, dlse ? *dlse : at::Tensor(), scale, causal);
+  }
+  if (dlse || !all_finite(q, k, v)) return std::nullopt;
   return kernel_backward(std::move(dout), q, k, v, out, lse, scale, causal);
 }
 
@@ -668,6 +1406,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_backward", &cpu_backward);
   m.def("cpu_train", &cpu_train);
   m.def("all_finite", &all_finite);
+  m.def("own_kernel_serves", &own_kernel_serves);
+  m.def("own_forward", &own_forward);
+  m.def("own_backward", [](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& out, const at::Tensor& lse, std::optional<at::Tensor> dlse, double scale,
+                           bool causal) {
+    return own_backward(dout, q, k, v, out, lse, dlse ? *dlse : at::Tensor(), scale, causal);
+  });
   m.def("set_poison", [](bool on) { poison_outputs = on; });
   py::class_<Backward, std::shared_ptr<Backward>>(m, "Backward").def("run", &Backward::run);
   py::class_<Forward, std::shared_ptr<Forward>>(m, "Forward").def("run", &Forward::run).def("train", &Forward::train);
