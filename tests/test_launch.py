@@ -58,3 +58,24 @@ def test_a_missing_or_extra_second_argument_is_refused(recorded):
         launch.launch(plain_kernel, (1, 1, 1), 32, 0, launch.param_values(), extra=bytes(256))
     launch.launch(maps_kernel, (1, 1, 1), 32, 0, launch.param_values(), extra=bytes(256))
     assert recorded["launched_on"] == [0]
+
+
+def test_every_second_argument_fits_the_launch_buffers(recorded):
+    """launch.run copies a kernel's second argument into a per-thread buffer of EXTRA_BYTES and host.cpp into one of
+    kMaxMapsBytes: every spec's maps fit both (the Hopper backward's four maps once overran the first, 384 bytes),
+    and a larger argument is refused, not copied."""
+    import re
+    from pathlib import Path
+
+    from flashtile import registry
+
+    host_source = (Path(launch.__file__).parent / "csrc" / "host.cpp").read_text()
+    host_bytes = int(re.search(r"constexpr size_t kMaxMapsBytes = (\d+);", host_source).group(1))
+    largest = max(s.maps_bytes for arch in ("sm_80", "sm_90a", "sm_100", "sm_120") for s in registry.all_specs(arch))
+    assert largest == 4 * tma.MAP_BYTES
+    assert largest <= launch.EXTRA_BYTES == host_bytes
+    big = launch.EXTRA_BYTES + tma.MAP_BYTES
+    kernel = launch.LoadedKernel(function=object(), device=0, max_dynamic_smem=1 << 20, extra_bytes=big)
+    with pytest.raises(ValueError, match="the buffer holds"):
+        launch.launch(kernel, (1, 1, 1), 32, 0, launch.param_values(), extra=bytes(big))
+    assert recorded["launched_on"] == []

@@ -41,6 +41,21 @@ def test_rung_five_takes_k_v_then_q_maps(monkeypatch):
     assert tma.kernel_argument(k, v, spec.kv_maps) == argument[:2 * tma.MAP_BYTES]
 
 
+def test_hopper_backward_takes_k_v_q_then_do_maps(monkeypatch):
+    """The Hopper backward's producer loads K, V, Q and dO through maps (common/tma.cuh BwdMaps): four maps in that
+    order, with the spec's boxes (K/V: a key block's rows, Q and dO: a step's), as many bytes as the spec declares."""
+    monkeypatch.setattr(tma, "_encode", lambda t, box: bytes([t.shape[-1] % 251, box.rows]) * (tma.MAP_BYTES // 2))
+    tma._kept.clear()
+    q, k, v, dout = (torch.zeros(1, 128, 2, d, dtype=torch.bfloat16) for d in (8, 16, 24, 32))
+    for d in specs.BWD_WGMMA_TILES:
+        tile = specs.bwd_wgmma_tile(d, d, "sm_90a")
+        spec = specs.bwd_wgmma_spec("bf16", d, tile)
+        argument = tma.backward_argument(q, k, v, dout, (spec.kv_maps, spec.q_map, spec.do_map))
+        assert len(argument) == spec.maps_bytes == 4 * tma.MAP_BYTES
+        assert [argument[i * tma.MAP_BYTES] for i in range(4)] == [16, 24, 8, 32]
+        assert [argument[i * tma.MAP_BYTES + 1] for i in range(4)] == [tile.block_n] * 2 + [tile.block_m] * 2
+
+
 class _FakeDriver:
     """cuda.bindings.driver's few names tma._encode uses, recording what it is asked to encode."""
 

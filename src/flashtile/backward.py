@@ -91,7 +91,8 @@ def plan(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, ls
         (*_strides(dout, varlen), *_strides(dq, varlen), *_strides(dk, varlen), *_strides(dv, varlen), m_blocks),
         dout.stride(), lse.numel(), lse.numel() * defines["FT_HEAD_DIM"],
         problem.batch * problem.heads_q * m_blocks if deterministic else 0,
-        plans.HeadGroups(groups, q_heads, kv_heads, lse_head_dim))
+        plans.HeadGroups(groups, q_heads, kv_heads, lse_head_dim),
+        None if spec.do_map is None else (spec.kv_maps, spec.q_map, spec.do_map))
 
 
 def _first_heads(problem: FwdProblem, out, lse, dout, grads, q_heads: int, kv_heads: int, lse_head_dim: int):

@@ -242,10 +242,12 @@ def _steps(launches: tuple[launch.Launch, ...]) -> list[tuple[int, ...]]:
 def _backward_of(module: ModuleType, plan: plans.BwdPlan, device: int):
     packed = launch.BWD_PARAMS_STRUCT.pack(*(0,) * plans.ADDRESS_FIELDS, *plan.tail,
                                            *(0,) * plans.BWD_ADDRESS_FIELDS, *plan.bwd_tail)
+    boxes = plan.boxes
+    make_maps = None if boxes is None else (lambda q, k, v, dout: tma.backward_argument(q, k, v, dout, boxes))
     return module.make_backward(_steps(plan.launches), packed, launch.primary_context(device),
                                 launch.BWD_ADDRESS_OFFSET, list(plan.dout_stride), plan.lse_floats, plan.accum_floats,
                                 plan.semaphore_ints, plan.groups.count, plan.groups.q_heads, plan.groups.kv_heads,
-                                plan.groups.lse_head_dim)
+                                plan.groups.lse_head_dim, make_maps)
 
 
 def forward_of(plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device: int):

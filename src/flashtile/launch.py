@@ -140,7 +140,7 @@ def load(spec: KernelSpec, device: int) -> LoadedModule:
     return loaded
 
 
-EXTRA_BYTES = 384   # the largest second argument: rung 5's QkvMaps (three 128-byte tensor maps)
+EXTRA_BYTES = 512   # the largest second argument: the Hopper backward's BwdMaps (four 128-byte tensor maps)
 EXTRA_ALIGN = 64    # a tensor map's alignment
 
 
@@ -181,6 +181,8 @@ def run(launches: tuple[Launch, ...], params: tuple, layout: struct.Struct = PAR
     layout.pack_into(args.buffer, 0, *params)
     argv = args.argv_address
     if extra is not None:
+        if len(extra) > EXTRA_BYTES:
+            raise ValueError(f"a second kernel argument of {len(extra)} bytes; the buffer holds {EXTRA_BYTES}")
         ctypes.memmove(args.extra_address, extra, len(extra))
         argv = args.argv2_address
     device = launches[0].kernel.device

@@ -103,6 +103,21 @@ class BwdPlan:
     accum_floats: int                    # the fp32 dQ accumulator of a head group
     semaphore_ints: int                  # deterministic mode's turn counters of a head group; 0 when off
     groups: HeadGroups
+    boxes: tuple[KvBox, KvBox, KvBox] | None = None  # the maps' boxes (K/V, Q, dO) where the kernel takes maps
+    # The tensor maps by the addresses they describe (Q's, K's, V's, dO's): the plan fixes the rest.
+    maps: dict[tuple[int, ...], bytes] = field(default_factory=dict, compare=False)
+
+    def maps_for(self, q, k, v, dout) -> bytes | None:
+        """The main kernel's second argument for one head group's operands (None: it takes one argument)."""
+        if self.boxes is None:
+            return None
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr())
+        extra = self.maps.get(key)
+        if extra is None:
+            if len(self.maps) >= MAX_KEPT_MAPS:
+                self.maps.clear()
+            extra = self.maps[key] = tma.backward_argument(q, k, v, dout, self.boxes)
+        return extra
 
     def run(self, dout, q, k, v, o, lse, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, grads=None,
             dlse=None):
@@ -136,10 +151,11 @@ class BwdPlan:
                        _address(cu_seqlens_q), _address(cu_seqlens_k), _address(slopes)) + self.tail
                       + (dout_.data_ptr(), dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), base + accum_at * 4, base,
                          base + self.lse_floats * 4, turns) + self.bwd_tail)
+            extra = self.maps_for(q_, k_, v_, dout_)
             if dlse_ is None:
-                launch.run(self.launches, params, launch.BWD_PARAMS_STRUCT)
+                launch.run(self.launches, params, launch.BWD_PARAMS_STRUCT, extra)
             else:
-                launch.run(self.launches[:1], params, launch.BWD_PARAMS_STRUCT)  # the preprocess writes D
+                launch.run(self.launches[:1], params, launch.BWD_PARAMS_STRUCT, extra)  # the preprocess writes D
                 scratch[:self.lse_floats].view(lse_.shape).sub_(dlse_)
-                launch.run(self.launches[1:], params, launch.BWD_PARAMS_STRUCT)
+                launch.run(self.launches[1:], params, launch.BWD_PARAMS_STRUCT, extra)
         return dq, dk, dv

@@ -45,11 +45,14 @@ class KernelSpec:
     smem_bytes: int = 0                  # dynamic shared memory per block (= sizeof(SharedStorage), tested)
     kv_maps: KvBox | None = None         # the kernels' second argument: K's and V's tensor maps; None: none
     q_map: KvBox | None = None           # Q's map after them (rung 5's producer loads Q); None: none
+    do_map: KvBox | None = None          # dO's map after Q's (the Hopper backward's producer); None: none
 
     @property
     def maps_bytes(self) -> int:
         """Bytes of the second argument (0: the kernels take one)."""
-        return 0 if self.kv_maps is None else TENSOR_MAP_BYTES * (2 if self.q_map is None else 3)
+        if self.kv_maps is None:
+            return 0
+        return TENSOR_MAP_BYTES * (2 + (self.q_map is not None) + (self.do_map is not None))
 
     @property
     def name(self) -> str:
@@ -382,6 +385,7 @@ def hopper_fwd_threads(block_m: int) -> int:
 
 
 WARPGROUP_THREADS = 128
+WARPGROUP_WARPS = 4
 WIDE_BOX_COLS = 64             # one 128-byte swizzle block of 16-bit elements
 PRODUCER_REGISTERS = 24        # the producer holds a few addresses and counters
 REGISTER_FILE = 65536          # 32-bit registers per SM
@@ -582,19 +586,22 @@ class BwdWgmmaTile:
     block_n: int
     stages: int
     why: str
-    warps: int = 8  # two warpgroups
+    warps: int = 12  # a producer warpgroup and two consumer warpgroups
 
 
 BWD_WGMMA_TILES = {
-    64: BwdWgmmaTile(128, 128, 2, "keys split, dQ split by rows (64 queries per warpgroup); 130 KB. Faster than "
+    64: BwdWgmmaTile(128, 128, 2, "keys split, dQ split by rows (64 queries per warpgroup); 163 KB. Faster than "
                                   "sdpa-flash and bwd.cu"),
     128: BwdWgmmaTile(64, 128, 2, "keys split, dQ split by columns (64 per warpgroup); S^T, dP^T 32 and dK, dV 64 "
-                                  "registers each; 145 KB. Faster than sdpa-flash and bwd.cu"),
+                                  "registers each; 162 KB. Faster than sdpa-flash and bwd.cu"),
     256: BwdWgmmaTile(64, 64, 2, "columns split: 64 keys shared by both warpgroups, each with half of dK, dV and dQ "
                                  "(64 registers each); warpgroup 0 S^T and P^T, warpgroup 1 dP^T and dS^T, both "
-                                 "through shared memory; 209 KB. Faster than sdpa-flash and bwd_grid.cu; S^T/dP^T "
+                                 "through shared memory; 226 KB. Faster than sdpa-flash and bwd_grid.cu; S^T/dP^T "
                                  "split by queries instead is slower (both warpgroups read all of K and V)"),
 }
+# dS^T (and P^T) in two buffers that alternate by step: with no block barrier between steps, one warpgroup may
+# write the next step's while the other still reads this step's.
+BWD_SCORE_BUFFERS = 2
 
 
 def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False) -> BwdWgmmaTile | None:
@@ -607,13 +614,17 @@ def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False) -> BwdW
 def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
     m, n, stages = tile.block_m, tile.block_n, tile.stages
     split_columns = n == WGMMA_M  # one key block for both warpgroups: P^T goes through shared memory as well
-    storage = (2 * n * d + 2 * stages * m * d + (1 + split_columns) * n * m) * ELEM_BYTES + 2 * stages * m * 4
+    score_tiles = BWD_SCORE_BUFFERS * (1 + split_columns) * n * m  # dS^T (and P^T), two steps' worth
+    storage = ((2 * n * d + 2 * stages * m * d + score_tiles) * ELEM_BYTES + 2 * stages * m * 4
+               + (1 + 2 * stages) * MBARRIER_BYTES)
     smem = -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", d), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0),
-               ("FT_WIDE_BLOCKS", 1), *ROW_DEFINES)
+               ("FT_WIDE_BLOCKS", 1), ("FT_PRODUCER_REGISTERS", PRODUCER_REGISTERS),
+               ("FT_CONSUMER_REGISTERS", consumer_registers(tile.warps // WARPGROUP_WARPS - 1)), *ROW_DEFINES)
     return KernelSpec("wgmma/bwd.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, "sm_90a",
-                      defines, smem)
+                      defines, smem, kv_maps=KvBox(n, WIDE_BOX_COLS), q_map=KvBox(m, WIDE_BOX_COLS),
+                      do_map=KvBox(m, WIDE_BOX_COLS))
 
 
 def bwd_mma_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,

@@ -98,3 +98,11 @@ def kernel_argument(k: torch.Tensor, v: torch.Tensor, box: KvBox | None, q: torc
         return NO_MAPS
     return kv_maps(k, v, box) if q_box is None else kv_maps(k, v, box) + _map(q, q_box)
 
+
+def backward_argument(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                      boxes: tuple[KvBox, KvBox, KvBox]) -> bytes:
+    """The Hopper backward's BwdMaps parameter (kernels/common/tma.cuh): K's, V's, Q's and dO's maps; `boxes` are
+    the spec's K/V, Q and dO boxes."""
+    kv_box, q_box, do_box = boxes
+    return _map(k, kv_box) + _map(v, kv_box) + _map(q, q_box) + _map(dout, do_box)
+

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <tuple>
@@ -105,7 +106,7 @@ void check(CUresult result, const char* what) {
 // ---- A plan's launches ----------------------------------------------------------------------------------
 
 constexpr size_t kParamsCapacity = 1024;  // bytes; the largest struct (BwdParams) is well under it
-constexpr size_t kMaxMapsBytes = 384;     // the forward's second argument: K's, V's (and Q's) 128-byte tensor maps
+constexpr size_t kMaxMapsBytes = 512;     // a second argument: K's, V's (and Q's, dO's) 128-byte tensor maps
 constexpr size_t kMapsAlign = 64;         // a tensor map's alignment
 
 struct Step {
@@ -196,19 +197,83 @@ uint64_t head_address(const at::Tensor& t, int64_t head) {
   return reinterpret_cast<uint64_t>(t.data_ptr()) + static_cast<uint64_t>(head * t.stride(-2) * t.element_size());
 }
 
+// ---- Tensor maps, kept by the addresses they describe (plans.FwdPlan.maps, plans.BwdPlan.maps) ----------------
+
+constexpr size_t kMaxKeptMaps = 64;  // plans.MAX_KEPT_MAPS
+
+// The addresses the maps describe: the forward's Q (0 where its maps omit Q), K, V and 0; the backward's Q, K, V, dO.
+using MapsKey = std::array<uint64_t, 4>;
+struct MapsKeyHash {
+  size_t operator()(const MapsKey& a) const {
+    size_t h = 0;
+    for (uint64_t x : a) h = h * 1000003u ^ x;
+    return h;
+  }
+};
+
+// The maps `make` returns for `key`, encoded once and kept (all forgotten when kMaxKeptMaps are kept), copied to
+// `out` (kMaxMapsBytes at a tensor map's alignment). `make` runs with the GIL held and `lock` released: the backward
+// runs on autograd's threads, which hold neither.
+template <typename Make>
+void kept_maps(std::unordered_map<MapsKey, std::string, MapsKeyHash>& kept, std::mutex& lock, const MapsKey& key,
+               const Make& make, void* out) {
+  {
+    std::lock_guard<std::mutex> hold(lock);
+    auto found = kept.find(key);
+    if (found != kept.end()) {
+      std::memcpy(out, found->second.data(), found->second.size());
+      return;
+    }
+  }
+  std::string bytes;
+  {
+    py::gil_scoped_acquire gil;
+    bytes = make().template cast<std::string>();
+  }
+  require(bytes.size() <= kMaxMapsBytes, "flashtile: tensor maps of ", bytes.size(), " bytes");
+  std::memcpy(out, bytes.data(), bytes.size());
+  std::lock_guard<std::mutex> hold(lock);
+  if (kept.size() >= kMaxKeptMaps) kept.clear();
+  kept.emplace(key, std::move(bytes));
+}
+
+struct alignas(kMapsAlign) MapsBuffer {
+  char bytes[kMaxMapsBytes];
+};
+
+uint64_t address_of(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
+
 struct Backward {
   Launches launches;
   size_t bwd_addresses;  // byte offset of BwdParams' own address fields (dO first)
   std::vector<int64_t> dout_stride;
   int64_t lse_floats, accum_floats, semaphore_ints;          // a head group's
   int64_t groups, q_heads, kv_heads, lse_head_dim;           // plans.HeadGroups
+  py::object make_maps;  // (q, k, v, dout) of a head group -> the main kernel's tensor maps; None: one argument
+  mutable std::unordered_map<MapsKey, std::string, MapsKeyHash> maps;
+  mutable std::mutex maps_lock;  // backward calls may run on several threads (one per device)
 
   Backward(Launches launches, size_t bwd_addresses, std::vector<int64_t> dout_stride, int64_t lse_floats,
            int64_t accum_floats, int64_t semaphore_ints, int64_t groups, int64_t q_heads, int64_t kv_heads,
-           int64_t lse_head_dim)
+           int64_t lse_head_dim, py::object make_maps)
       : launches(std::move(launches)), bwd_addresses(bwd_addresses), dout_stride(std::move(dout_stride)),
         lse_floats(lse_floats), accum_floats(accum_floats), semaphore_ints(semaphore_ints), groups(groups),
-        q_heads(q_heads), kv_heads(kv_heads), lse_head_dim(lse_head_dim) {}
+        q_heads(q_heads), kv_heads(kv_heads), lse_head_dim(lse_head_dim), make_maps(std::move(make_maps)) {}
+
+  // The maps of one head group's operands: views of the group's heads (the head dimension is the one before the
+  // head dim), as plans.BwdPlan.run hands them over.
+  void* maps_for(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
+                 int64_t q_head, int64_t kv_head, MapsBuffer& out) const {
+    if (make_maps.is_none()) return nullptr;
+    const MapsKey key{head_address(q, q_head), head_address(k, kv_head), head_address(v, kv_head),
+                      head_address(dout, q_head)};
+    kept_maps(maps, maps_lock, key, [&] {
+      const int64_t heads_dim = q.dim() - 2;
+      return make_maps(q.narrow(heads_dim, q_head, q_heads), k.narrow(heads_dim, kv_head, kv_heads),
+                       v.narrow(heads_dim, kv_head, kv_heads), dout.narrow(heads_dim, q_head, q_heads));
+    }, out.bytes);
+    return out.bytes;
+  }
 
   std::tuple<at::Tensor, at::Tensor, at::Tensor> run(at::Tensor dout, const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& v, const at::Tensor& o,
@@ -246,12 +311,14 @@ struct Backward {
           semaphore.defined() ? reinterpret_cast<uint64_t>(semaphore.data_ptr()) + g * semaphore_ints * sizeof(int)
                               : 0};
       std::memcpy(buffer.bytes + bwd_addresses, own.data(), sizeof(own));
+      MapsBuffer maps_buffer;
+      void* group_maps = maps_for(q, k, v, dout, q_head, kv_head, maps_buffer);
       if (!dlse_part.defined()) {
-        launches.run(0, steps, buffer.bytes, nullptr, stream);
+        launches.run(0, steps, buffer.bytes, group_maps, stream);
       } else {  // the preprocess writes D; the LSE's gradient enters as D - dLSE
-        launches.run(0, 1, buffer.bytes, nullptr, stream);
+        launches.run(0, 1, buffer.bytes, group_maps, stream);
         scratch.narrow(0, 0, lse_floats).view(lse_part.sizes()).sub_(dlse_part);
-        launches.run(1, steps, buffer.bytes, nullptr, stream);
+        launches.run(1, steps, buffer.bytes, group_maps, stream);
       }
     }
     return {dq, dk, dv};
@@ -325,21 +392,14 @@ NodePtr new_node() {
 
 // ---- The forward plan (plans.FwdPlan.run) -------------------------------------------------------------------
 
-constexpr size_t kMaxKeptMaps = 64;  // plans.MAX_KEPT_MAPS
-
-using MapsKey = std::array<uint64_t, 3>;  // the addresses the maps describe: Q's (0 where they omit Q), K's, V's
-struct MapsKeyHash {
-  size_t operator()(const MapsKey& a) const { return (a[0] * 1000003u ^ a[1]) * 1000003u ^ a[2]; }
-};
-using MapsStorage = std::array<char, kMaxMapsBytes + kMapsAlign>;
-
 struct Forward {
   Launches launches;
   std::vector<int64_t> out_shape;  // empty: the output is at::empty_like(q)
   std::vector<int64_t> lse_shape;  // empty: no LSE
   py::object make_maps;  // (q, k, v) -> the tensor maps as bytes (K's, V's, then Q's if maps_of_q); None: one argument
   bool maps_of_q;        // the maps describe Q as well
-  std::unordered_map<MapsKey, MapsStorage, MapsKeyHash> maps;
+  std::unordered_map<MapsKey, std::string, MapsKeyHash> maps;
+  std::mutex maps_lock;
   std::shared_ptr<const Backward> backward;
 
   Forward(Launches launches, std::vector<int64_t> out_shape, std::vector<int64_t> lse_shape, py::object make_maps,
@@ -347,24 +407,11 @@ struct Forward {
       : launches(std::move(launches)), out_shape(std::move(out_shape)), lse_shape(std::move(lse_shape)),
         make_maps(std::move(make_maps)), maps_of_q(maps_of_q), backward(std::move(backward)) {}
 
-  void* maps_for(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  void* maps_for(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, MapsBuffer& out) {
     if (make_maps.is_none()) return nullptr;
-    const MapsKey key{maps_of_q ? reinterpret_cast<uint64_t>(q.data_ptr()) : 0,
-                      reinterpret_cast<uint64_t>(k.data_ptr()), reinterpret_cast<uint64_t>(v.data_ptr())};
-    auto found = maps.find(key);
-    if (found == maps.end()) {
-      std::string bytes = make_maps(q, k, v).cast<std::string>();
-      require(bytes.size() <= kMaxMapsBytes, "flashtile: tensor maps of ", bytes.size(), " bytes");
-      if (maps.size() >= kMaxKeptMaps) maps.clear();
-      found = maps.emplace(key, MapsStorage{}).first;
-      std::memcpy(aligned(found->second), bytes.data(), bytes.size());
-    }
-    return aligned(found->second);
-  }
-
-  static void* aligned(MapsStorage& storage) {
-    auto address = reinterpret_cast<uintptr_t>(storage.data());
-    return reinterpret_cast<void*>((address + kMapsAlign - 1) / kMapsAlign * kMapsAlign);
+    const MapsKey key{maps_of_q ? address_of(q) : 0, address_of(k), address_of(v), 0};
+    kept_maps(maps, maps_lock, key, [&] { return make_maps(q, k, v); }, out.bytes);
+    return out.bytes;
   }
 
   std::pair<at::Tensor, at::Tensor> run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -375,7 +422,8 @@ struct Forward {
     ParamsBuffer buffer;
     std::memcpy(buffer.bytes, launches.params.data(), launches.params.size());
     put_operands(buffer, q, k, v, o, lse);
-    launches.run(0, launches.steps.size(), buffer.bytes, maps_for(q, k, v), current_stream(q.device()));
+    MapsBuffer maps_buffer;
+    launches.run(0, launches.steps.size(), buffer.bytes, maps_for(q, k, v, maps_buffer), current_stream(q.device()));
     return {o, lse};
   }
 
@@ -1435,10 +1483,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_backward", [](const py::list& steps, py::bytes packed, uintptr_t context, size_t bwd_addresses,
                             std::vector<int64_t> dout_stride, int64_t lse_floats, int64_t accum_floats,
                             int64_t semaphore_ints, int64_t groups, int64_t q_heads, int64_t kv_heads,
-                            int64_t lse_head_dim) {
+                            int64_t lse_head_dim, py::object make_maps) {
     return std::make_shared<Backward>(launches_of(steps, packed, context), bwd_addresses, std::move(dout_stride),
                                       lse_floats, accum_floats, semaphore_ints, groups, q_heads, kv_heads,
-                                      lse_head_dim);
+                                      lse_head_dim, std::move(make_maps));
   });
   m.def("make_forward", [](const py::list& steps, py::bytes packed, uintptr_t context, std::vector<int64_t> out_shape,
                            std::vector<int64_t> lse_shape, py::object make_maps, bool maps_of_q,

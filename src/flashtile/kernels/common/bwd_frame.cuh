@@ -94,21 +94,24 @@ __device__ __forceinline__ QueryTiles visited_query_tiles(const AttnParams& f, c
     return {m_lo, m_hi};
 }
 
-// A block's K and V tiles (keys [n0, n0 + kBlockN) of the problem), one cp.async each.
+// A block's K and V tiles (keys [n0, n0 + kBlockN) of the problem), one cp.async each, by every thread.
+// (Templates, here and in QueryRing, so that a kernel whose loads go another way does not instantiate them.)
+template <int kLoadThreads = kThreads>
 __device__ __forceinline__ void load_keys_values(const AttnParams& f, const Problem& pr0, u32 k_smem, u32 v_smem, int n0) {
-    TileLoader<kBlockN, kHeadDim, kThreads, kWideBlocks>(static_cast<const elem_t*>(f.k) + pr0.k_offset,
-                                                         f.k_row_stride, f.head_dim).issue(k_smem, n0, pr0.seqlen_k);
-    TileLoader<kBlockN, kHeadDimV, kThreads, kWideBlocks>(static_cast<const elem_t*>(f.v) + pr0.v_offset,
-                                                          f.v_row_stride, f.head_dim_v).issue(v_smem, n0, pr0.seqlen_k);
+    TileLoader<kBlockN, kHeadDim, kLoadThreads, kWideBlocks>(static_cast<const elem_t*>(f.k) + pr0.k_offset,
+                                                             f.k_row_stride, f.head_dim).issue(k_smem, n0, pr0.seqlen_k);
+    TileLoader<kBlockN, kHeadDimV, kLoadThreads, kWideBlocks>(static_cast<const elem_t*>(f.v) + pr0.v_offset,
+                                                              f.v_row_stride, f.head_dim_v).issue(v_smem, n0, pr0.seqlen_k);
 }
 
 // The query ring: each step (one query head of the group, one query tile) brings Q, dO and the rows' LSE (base 2)
-// and D into one of kStages buffers with cp.async.
+// and D into one of kStages buffers with cp.async, by every thread.
+template <int kLoadThreads = kThreads>
 struct QueryRing {
     static constexpr u32 kQStageBytes = QTile::kElems * kElemBytes, kDoStageBytes = DoTile::kElems * kElemBytes;
     static constexpr u32 kRowStageBytes = kBlockM * sizeof(float);
-    TileLoader<kBlockM, kHeadDim, kThreads, kWideBlocks> q_loader;
-    TileLoader<kBlockM, kHeadDimV, kThreads, kWideBlocks> do_loader;
+    TileLoader<kBlockM, kHeadDim, kLoadThreads, kWideBlocks> q_loader;
+    TileLoader<kBlockM, kHeadDimV, kLoadThreads, kWideBlocks> do_loader;
     u32 q_smem, do_smem, lse_smem, dsum_smem;
 
     __device__ __forceinline__ QueryRing(const BwdParams& p, const Problem& pr0, int b, int h_first, u32 q, u32 dout,
@@ -178,11 +181,12 @@ __device__ __forceinline__ void stage_tile(elem_t* tile_smem, const float (&acc)
                     pack2<elem_t>(acc[sl][j][2 * half] * scale, acc[sl][j][2 * half + 1] * scale);
 }
 
-template <typename Tile, int kCols>
+// kStoreThreads threads store, `thread` being this one's index among them.
+template <typename Tile, int kCols, int kStoreThreads = kThreads>
 __device__ __forceinline__ void store_tile(const elem_t* tile_smem, elem_t* dst, i64 row_stride, int dim, int n0,
-                                           int seqlen_k) {
+                                           int seqlen_k, int thread = threadIdx.x) {
     constexpr int kVecsPerRow = kCols / kElemsPerVector;
-    for (int idx = threadIdx.x; idx < kBlockN * kVecsPerRow; idx += kThreads) {
+    for (int idx = thread; idx < kBlockN * kVecsPerRow; idx += kStoreThreads) {
         const int local_row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
         const int row = n0 + local_row;
         if (row < seqlen_k && col < dim)
@@ -206,28 +210,34 @@ __device__ __forceinline__ KeyBlock key_block_of(const BwdParams& p) {
     return {linear / (int)gridDim.y, linear % (int)gridDim.y};
 }
 
-// Deterministic mode: the blocks that add into one dQ tile take turns in key order. The constructor holds thread 0
-// until the key tiles before this one have added (the caller's next barrier holds the rest); `pass` hands on.
+// Deterministic mode: the blocks that add into one dQ tile take turns in key order. The constructor holds the
+// leader thread (thread 0, or the first of the warps that add) until the key tiles before this one have added (the
+// caller's next barrier holds the rest); `pass` hands on, after `sync` (by default the block's barrier) has
+// gathered every adding thread.
+struct BlockSync {
+    __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
 struct DqTurn {
     int* turn = nullptr;
     int mine = 0;
 
     __device__ __forceinline__ DqTurn(const BwdParams& p, const Mask& mask, int b, int head, int m_tile, int m0,
-                                      int n_block) {
+                                      int n_block, bool leader = threadIdx.x == 0) {
         if (p.dq_semaphore != nullptr) {
             turn = p.dq_semaphore + ((i64)b * p.fwd.heads_q + head) * p.m_blocks + m_tile;
             mine = n_block - mask.key_begin(m0) / kBlockN;
-            if (threadIdx.x == 0)
+            if (leader)
                 while (load_acquire(turn) != mine) {}
         }
     }
-    __device__ __forceinline__ void pass() const {
+    template <typename Sync = BlockSync>
+    __device__ __forceinline__ void pass(const Sync& sync = {}, bool leader = threadIdx.x == 0) const {
         if (turn != nullptr) {
-            // The barrier orders every thread's reductions before thread 0's release, and a release is
+            // The barrier orders every thread's reductions before the leader's release, and a release is
             // cumulative: one fence-free store hands the turn on (a fence per thread would stall each of
             // them until its reductions had landed).
-            __syncthreads();
-            if (threadIdx.x == 0) store_release(turn, mine + 1);
+            sync();
+            if (leader) store_release(turn, mine + 1);
         }
     }
 };

@@ -17,6 +17,7 @@
 struct alignas(64) TensorMap { unsigned long long opaque[16]; };
 struct KvMaps { TensorMap k, v; };  // the forward's second parameter: K and V as (dim, rows, heads, batch)
 struct QkvMaps { TensorMap k, v, q; };  // rung 5's: K and V as above, then Q as (dim, rows, heads, batch)
+struct BwdMaps { TensorMap k, v, q, dout; };  // the Hopper backward's: K, V, Q and dO, each as above
 
 constexpr int kMbarrierBytes = 8;
 constexpr int kSwizzle64Period = 512;
@@ -37,6 +38,12 @@ __device__ __forceinline__ void mbarrier_arrive(u32 bar) {
 __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
     asm volatile("{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  " @!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// One arrival on `bar` once every cp.async this thread issued before it has landed; the barrier's count must
+// include it (.noinc: the arrival does not raise the pending count).
+__device__ __forceinline__ void cp_async_mbarrier_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
 }
 
 // One box of a 5-D map at coordinates (c0 innermost .. c4).

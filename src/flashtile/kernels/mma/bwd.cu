@@ -143,12 +143,12 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
     const u32 k_smem = smem_addr(smem.k), v_smem = smem_addr(smem.v), ds_smem = smem_addr(smem.ds);
     const u32 q_smem = smem_addr(smem.q[0]), do_smem = smem_addr(smem.dout[0]);
     const u32 lse_smem = smem_addr(smem.lse_log2[0]), dsum_smem = smem_addr(smem.dsum[0]);
-    constexpr u32 kQStageBytes = QueryRing::kQStageBytes, kDoStageBytes = QueryRing::kDoStageBytes;
-    constexpr u32 kRowStageBytes = QueryRing::kRowStageBytes;
+    constexpr u32 kQStageBytes = QueryRing<>::kQStageBytes, kDoStageBytes = QueryRing<>::kDoStageBytes;
+    constexpr u32 kRowStageBytes = QueryRing<>::kRowStageBytes;
 
     // K and V once, then the first query tiles.
-    load_keys_values(f, pr0, k_smem, v_smem, n0);
-    const QueryRing ring(p, pr0, b, h_first, q_smem, do_smem, lse_smem, dsum_smem);
+    load_keys_values<>(f, pr0, k_smem, v_smem, n0);
+    const QueryRing<> ring(p, pr0, b, h_first, q_smem, do_smem, lse_smem, dsum_smem);
     auto load_step = [&](int step, int stage) { ring.issue(p, pr0, step / m_tiles, m_tile_of(step) * kBlockM, stage); };
     constexpr int kPrologue = kStages > 1 ? kStages - 1 : 1;  // one buffer: load the first step, refill later
 #pragma unroll

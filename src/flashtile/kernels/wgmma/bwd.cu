@@ -1,7 +1,8 @@
 // wgmma/bwd.cu — the backward pass on Hopper's warpgroup products (wgmma, sm_90a), head dims 64, 128 and 256.
 //
 // Idea:     rung 4's backward (mma/bwd.cu: the same frame, the same math, transposed so that rows are keys),
-//           with every product on wgmma. A block owns kBlockN keys and two warpgroups; per query tile it computes
+//           with every product on wgmma. A block owns kBlockN keys and two consumer warpgroups; per query tile
+//           (a step) they compute
 //               S^T  = K Q^T,   dP^T = V dO^T          (SS: K/V and Q/dO both K-major in shared memory)
 //               P^T  = exp2(S^T * scale * log2e - LSE * log2e),   dS^T = P^T o (dP^T - D)
 //               dV  += P^T dO,  dK  += dS^T Q
@@ -20,18 +21,36 @@
 //               warpgroup's half of the columns. (Splitting S^T and dP^T by queries instead, m64n32 products
 //               reading all of K and V in both warpgroups, made that phase bound by shared-memory bandwidth.)
 //           Every operand starts on a 128-byte column block.
+//           Loads: a producer warp (warpgroup 0, its registers given to the consumers by setmaxnreg) brings K and
+//           V once and each step's Q and dO by the tensor memory accelerator, and the rows' LSE and D by
+//           cp.async, into a ring of kStages stages with a "full" and an "empty" mbarrier each. The consumers
+//           wait only for the stage they need and meet once a step, at a named barrier of their own before dQ
+//           (dS^T is shared); dS^T (and P^T) alternate between two buffers, so that barrier is the only one.
+//           A varlen sequence's last query tile or key block is copied by the warp's cp.async instead, which
+//           zero-fills the rows past the sequence (the copy engine would bring the next sequence's).
 // Beside:   mma/bwd.cu serves every other head dim, score modifications and GPUs before Hopper; this kernel
-//           shares its frame through common/bwd_frame.cuh (query ring, step loop, deterministic turns, epilogue,
-//           the preprocess and dQ-conversion kernels).
-// Measured: beside torch's FlashAttention-2 in docs/performance.md (backward rows); against rung 4's kernel in
-//           docs/ladder.md.
-// Wastes:   no warp specialisation and no TMA: all threads issue the cp.async ring, and the two warpgroups
-//           meet at a barrier every step (dS^T is shared), so one's softmax does not overlap the other's
-//           products; dQ leaves through fp32 atomics.
+//           shares its frame through common/bwd_frame.cuh (deterministic turns, epilogue, the preprocess and
+//           dQ-conversion kernels).
+// Measured: beside torch's FlashAttention-2 and cuDNN in docs/performance.md (backward rows); against rung 4's
+//           kernel in docs/ladder.md; the producer's gain in docs/notes.md.
+// Wastes:   the consumers still meet every step (dS^T is shared), so one's softmax does not overlap the other's
+//           products, and they wait for their dV/dK products before that barrier (it keeps the d128 build
+//           within 240 registers); dQ leaves through fp32 atomics from the consumers.
 #include "../common/bwd_frame.cuh"
+#include "../common/tma.cuh"
 #include "wgmma.cuh"
 
-constexpr int kWarpgroups = kWarps / kWarpgroupWarps;
+constexpr int kWarpgroupThreads = kWarpgroupWarps * kWarpSize;
+constexpr int kWarpgroups = kWarps / kWarpgroupWarps - 1;  // the consumers; warpgroup 0 produces
+constexpr int kConsumerThreads = kWarpgroups * kWarpgroupThreads;
+constexpr int kConsumerWarps = kWarpgroups * kWarpgroupWarps;
+constexpr int kProducerThread = 0;
+constexpr int kConsumerBarrier = 1;  // named barrier of the consumers alone (0 is __syncthreads)
+// setmaxnreg: the producer keeps what issuing copies needs, the consumers take the rest of the register file
+// (specs.py, consumer_registers).
+constexpr int kProducerRegisters = FT_PRODUCER_REGISTERS;
+constexpr int kConsumerRegisters = FT_CONSUMER_REGISTERS;
+static_assert(kWarpgroups == 2, "two consumer warpgroups share a step");
 constexpr bool kSplitKeys = kBlockN == kWarpgroups * kWgmmaM;
 static_assert(kSplitKeys || kBlockN == kWgmmaM, "64 keys per warpgroup, or 64 keys shared by all");
 static_assert(kHeadDim == kHeadDimV, "one head dim for q, k and v");
@@ -58,18 +77,24 @@ template <typename Tile>
 constexpr u32 kColumnBlockBytes = Tile::kBlockElems * kElemBytes;  // a descriptor's step from block to block
 
 // P^T goes through shared memory only when the columns are split; otherwise the empty base takes no space and
-// its null `p` is never used (the code that would is under `if constexpr`, but still has to compile).
-template <bool kShared> struct ProbabilityTile { elem_t p[DsTile::kElems]; };
-template <> struct ProbabilityTile<false> { static constexpr elem_t* p = nullptr; };
+// its null `p` is never used (the code that would is under `if constexpr`, but still has to compile). P^T and
+// dS^T alternate between two buffers from step to step: a warpgroup may write the next step's while the other
+// still reads this step's, and the step's one consumer barrier (before dQ) keeps them two steps apart.
+constexpr int kScoreBuffers = 2;
+template <bool kShared> struct ProbabilityTile { elem_t p[kScoreBuffers][DsTile::kElems]; };
+template <> struct ProbabilityTile<false> { static constexpr elem_t (*p)[DsTile::kElems] = nullptr; };
 
 struct __align__(kSwizzleAtomBytes) SharedStorage : ProbabilityTile<!kSplitKeys> {
     elem_t k[KTile::kElems];     // later the dK tile
     elem_t v[VTile::kElems];     // later the dV tile
     elem_t q[kStages][QTile::kElems];
     elem_t dout[kStages][DoTile::kElems];
-    elem_t ds[DsTile::kElems];
+    elem_t ds[kScoreBuffers][DsTile::kElems];
     float lse_log2[kStages][kBlockM];
     float dsum[kStages][kBlockM];
+    u64 kv_full;                 // K and V have landed
+    u64 full[kStages];           // a step's Q, dO (the copy engine) and LSE, D (the producer warp's cp.async)
+    u64 empty[kStages];          // every consumer warp is done with the stage
 };
 
 // acc (64 keys x kBlockM queries) = A B^T over the head dim: A = 64 rows of K or V, B = rows of the query
@@ -136,17 +161,37 @@ __device__ __forceinline__ const float (&as_slab(const float (&acc)[kAccumulator
     return *reinterpret_cast<const float(*)[1][kAccumulators / 4][4]>(&acc[0]);
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_constant__ BwdParams p) {
+// Rows [row0, row0 + Tile's rows) of a row-major matrix into a tile in shared memory by one warp's cp.async, rows
+// from `valid_rows` on and columns past `dim` as zeros (16 bytes a copy, in the 128-byte swizzle the copy engine
+// writes). A loop, not unrolled: the producer has few registers, and this serves only a varlen sequence's last tile.
+template <typename Tile>
+__device__ __forceinline__ void copy_rows(u32 tile, const elem_t* matrix, i64 row_stride, int dim, int valid_rows,
+                                          int row0, int lane) {
+    constexpr int kChunksPerRow = Tile::kBlockCols / kElemsPerVector, kRowChunks = kChunksPerRow * Tile::kColBlocks;
+    constexpr int kTileRows = Tile::kElems / (Tile::kBlockCols * Tile::kColBlocks);
+#pragma unroll 1
+    for (int idx = lane; idx < kTileRows * kRowChunks; idx += kWarpSize) {
+        const int row = idx / kRowChunks, col_chunk = idx % kRowChunks;
+        const int blk = col_chunk / kChunksPerRow, chunk = col_chunk % kChunksPerRow;
+        const int col = col_chunk * kElemsPerVector;
+        const bool valid = row < valid_rows && col < dim;
+        const u32 dst = tile + (blk * Tile::kBlockElems + row * Tile::kBlockCols + (chunk ^ (row & 7)) * kElemsPerVector) *
+                                   kElemBytes;
+        cp_async_16(dst, valid ? matrix + (i64)(row0 + row) * row_stride + col : matrix, valid);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps maps) {
     extern __shared__ __align__(kSwizzleAtomBytes) unsigned char smem_raw[];
     SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
     if (dynamic_smem_bytes() < sizeof(SharedStorage)) __trap();
     if (smem_addr(smem_raw) % kSwizzleAtomBytes != 0) __trap();  // the swizzle pattern is anchored to 1024 bytes
     const AttnParams& f = p.fwd;
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    const int g = lane / kQuad, t = lane % kQuad;
     // The warpgroup index must look uniform to the compiler (a product on a path it thinks divergent is
     // serialized, ptxas info C7520): broadcast from lane 0.
-    const int group = __shfl_sync(kFullWarpMask, warp / kWarpgroupWarps, 0);
+    const int warpgroup = __shfl_sync(kFullWarpMask, warp / kWarpgroupWarps, 0);
 
     const KeyBlock block = key_block_of(p);
     const int n_block = block.n_block, h_kv = block.h_kv, b = blockIdx.z;
@@ -156,48 +201,134 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
     if (n0 >= pr0.seqlen_k) return;
     const int n1 = min(n0 + kBlockN, pr0.seqlen_k);
     const Mask mask(f.window_left, f.window_right, pr0.seqlen_q, pr0.seqlen_k);
+    const bool varlen = f.cu_seqlens_q != nullptr;
 
     const QueryTiles visited = visited_query_tiles(f, mask, pr0.seqlen_q, n0, n1);
     const int m_hi = visited.hi, m_tiles = visited.hi - visited.lo;
     const int steps = m_tiles * f.group;  // (query head of the group, query tile) pairs, head-major
     auto m_tile_of = [&](int step) { return m_hi - 1 - step % m_tiles; };  // last to first, as mma/bwd.cu
 
-    const u32 k_smem = smem_addr(smem.k), v_smem = smem_addr(smem.v), ds_smem = smem_addr(smem.ds);
+    const u32 k_smem = smem_addr(smem.k), v_smem = smem_addr(smem.v), ds_smem = smem_addr(smem.ds[0]);
     const u32 q_smem = smem_addr(smem.q[0]), do_smem = smem_addr(smem.dout[0]);
     const u32 lse_smem = smem_addr(smem.lse_log2[0]), dsum_smem = smem_addr(smem.dsum[0]);
-    constexpr u32 kQStageBytes = QueryRing::kQStageBytes, kDoStageBytes = QueryRing::kDoStageBytes;
-    constexpr u32 kRowStageBytes = QueryRing::kRowStageBytes;
+    const u32 kv_full = smem_addr(&smem.kv_full), full = smem_addr(&smem.full[0]), empty = smem_addr(&smem.empty[0]);
+    constexpr u32 kQStageBytes = QTile::kElems * kElemBytes, kDoStageBytes = DoTile::kElems * kElemBytes;
+    constexpr u32 kRowStageBytes = kBlockM * sizeof(float);
+    constexpr u32 kDsBufferBytes = DsTile::kElems * kElemBytes;
 
-    load_keys_values(f, pr0, k_smem, v_smem, n0);
-    const QueryRing ring(p, pr0, b, h_first, q_smem, do_smem, lse_smem, dsum_smem);
-    auto load_step = [&](int step, int stage) { ring.issue(p, pr0, step / m_tiles, m_tile_of(step) * kBlockM, stage); };
-    static_assert(kStages > 1, "a ring of at least two query buffers");
+    if (threadIdx.x == kProducerThread) {
+        mbarrier_init(kv_full, 1);
+        for (int s = 0; s < kStages; ++s) {
+            mbarrier_init(full + s * kMbarrierBytes, 1 + kWarpSize);  // the copy engine's bytes, the warp's cp.async
+            mbarrier_init(empty + s * kMbarrierBytes, kConsumerWarps);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();  // the last block-wide barrier: from here on the warpgroups meet only at mbarriers
+
+    // The maps see K, V, Q and dO as (head dim, rows, heads, batch), varlen sequences packed along the rows of one
+    // batch entry; rows past the tensor read as zeros.
+    const int map_batch = varlen ? 0 : b;
+    if (warpgroup == 0) {
+        // Producer: K and V once, then each step's Q and dO by the copy engine and its rows' LSE (base 2) and D by
+        // the warp's cp.async (rows past the sequence read as zeros), into the ring as soon as a stage is free.
+        setmaxnreg_dec<kProducerRegisters>();
+        if (warp != 0) return;
+        if (varlen && n0 + kBlockN > pr0.seqlen_k) {  // the sequence's last key block: as a last query tile below
+            copy_rows<KTile>(k_smem, static_cast<const elem_t*>(f.k) + pr0.k_offset, f.k_row_stride, f.head_dim,
+                             pr0.seqlen_k - n0, n0, lane);
+            copy_rows<VTile>(v_smem, static_cast<const elem_t*>(f.v) + pr0.v_offset, f.v_row_stride, f.head_dim_v,
+                             pr0.seqlen_k - n0, n0, lane);
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(kv_full);
+        } else if (lane == 0) {
+            mbarrier_arrive_expect_bytes(kv_full, (KTile::kElems + VTile::kElems) * kElemBytes);
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-        if (s < steps) load_step(s, s);
-        cp_async_commit();
+            for (int blk = 0; blk < kHeadDim / kSwizzleRowElems; ++blk) {
+                tma_load_4d(k_smem + blk * kColumnBlockBytes<KTile>, maps.k, blk * kSwizzleRowElems,
+                            (int)pr0.k_start + n0, h_kv, map_batch, kv_full);
+                tma_load_4d(v_smem + blk * kColumnBlockBytes<VTile>, maps.v, blk * kSwizzleRowElems,
+                            (int)pr0.k_start + n0, h_kv, map_batch, kv_full);
+            }
+        }
+        for (int step = 0; step < steps; ++step) {
+            const int stage = step % kStages, round = step / kStages;
+            const int head = h_first + step / m_tiles, m0 = m_tile_of(step) * kBlockM;
+            const u32 bar = full + stage * kMbarrierBytes;
+            if (round > 0) mbarrier_wait(empty + stage * kMbarrierBytes, (round - 1) & 1);
+            // A varlen sequence's last query tile: the copy engine would bring the next sequence's rows, so the
+            // warp copies it with cp.async, zero-filling them, and publishes it to the products itself.
+            const bool by_warp = varlen && m0 + kBlockM > pr0.seqlen_q;
+            if (by_warp) {
+                const i64 q_row0 = pr0.q_offset + (head - h_first) * f.q_head_stride;
+                const i64 do_row0 = row_offset(p.do_batch_stride, p.do_row_stride, p.do_head_stride, b, pr0.q_start,
+                                               head);
+                copy_rows<QTile>(q_smem + stage * kQStageBytes, static_cast<const elem_t*>(f.q) + q_row0,
+                                 f.q_row_stride, f.head_dim, pr0.seqlen_q - m0, m0, lane);
+                copy_rows<DoTile>(do_smem + stage * kDoStageBytes, static_cast<const elem_t*>(p.dout) + do_row0,
+                                  p.do_row_stride, f.head_dim_v, pr0.seqlen_q - m0, m0, lane);
+            } else if (lane == 0) {
+                mbarrier_arrive_expect_bytes(bar, kQStageBytes + kDoStageBytes);
+#pragma unroll
+                for (int blk = 0; blk < kHeadDim / kSwizzleRowElems; ++blk) {
+                    tma_load_4d(q_smem + stage * kQStageBytes + blk * kColumnBlockBytes<QTile>, maps.q,
+                                blk * kSwizzleRowElems, (int)pr0.q_start + m0, head, map_batch, bar);
+                    tma_load_4d(do_smem + stage * kDoStageBytes + blk * kColumnBlockBytes<DoTile>, maps.dout,
+                                blk * kSwizzleRowElems, (int)pr0.q_start + m0, head, map_batch, bar);
+                }
+            }
+#pragma unroll
+            for (int r = lane; r < kBlockM; r += kWarpSize) {
+                const int row = m0 + r;
+                const i64 at = pr0.lse_offset + (head - h_first) * f.lse_head_stride + row;
+                const bool valid = row < pr0.seqlen_q;
+                cp_async_4(lse_smem + stage * kRowStageBytes + r * 4, valid ? p.lse_log2 + at : p.lse_log2, valid);
+                cp_async_4(dsum_smem + stage * kRowStageBytes + r * 4, valid ? p.dsum + at : p.dsum, valid);
+            }
+            if (by_warp) {
+                cp_async_wait<0>();
+                fence_proxy_async();
+                mbarrier_arrive(bar);
+                if (lane == 0) mbarrier_arrive(bar);  // in place of the copy engine's arrival
+            } else {
+                cp_async_mbarrier_arrive(bar);
+            }
+        }
+        return;
     }
 
-    // This warpgroup's share (see the top of the file), as tile offsets: its keys, the columns of its dK/dV,
-    // its rows and columns of dQ.
+    // Consumers: the two warpgroups share each step (see the top of the file).
+    setmaxnreg_inc<kConsumerRegisters>();
+    const int group = warpgroup - 1;
+    auto consumers_sync = [] { named_barrier_sync(kConsumerBarrier, kConsumerThreads); };
+
+    // This warpgroup's share, as tile offsets: its keys, the columns of its dK/dV, its rows and columns of dQ.
     const int key0 = kSplitKeys ? group * kWgmmaM : 0;
     const int grad_col0 = kSplitKeys ? 0 : group * kGradCols;
     const int dq_row0 = kDqByRows ? group * kWgmmaM : 0, dq_col0 = kDqByRows ? 0 : group * kDqCols;
-    const int row_in_group = (warp % kWarpgroupWarps) * kMmaM + g;  // this lane's rows: +0 and +8
+    const int row_in_group = (warp % kWarpgroupWarps) * kMmaM + lane / kQuad;  // this lane's rows: +0 and +8
     const u32 k_rows = k_smem + key0 * kSwizzleRowBytes, v_rows = v_smem + key0 * kSwizzleRowBytes;
     const u32 ds_piece = ds_smem + (dq_row0 / kSwizzleRowElems) * kColumnBlockBytes<DsTile>;
     const u32 k_cols = k_smem + (dq_col0 / kSwizzleRowElems) * kColumnBlockBytes<KTile>;
     const u32 grad_block = (grad_col0 / kSwizzleRowElems);  // dO's and Q's first column block for dV and dK
     const float log2_factor = f.scale_log2;
 
+    mbarrier_wait(kv_full, 0);
+
     float dk[kGradAccumulators] = {};
     float dv[kGradAccumulators] = {};
 
     auto step_body = [&](int step, int stage, bool masked) {
         const int head = h_first + step / m_tiles, m_tile = m_tile_of(step), m0 = m_tile * kBlockM;
+        const int g = (threadIdx.x % kWarpSize) / kQuad, t = threadIdx.x % kQuad;
         const u32 sq = q_smem + stage * kQStageBytes, sdo = do_smem + stage * kDoStageBytes;
         const u32 row_values = stage * kRowStageBytes + 2 * t * sizeof(float);  // this lane's column 0
         const u32 lse_row = lse_smem + row_values, dsum_row = dsum_smem + row_values;
+        const int buffer = step % kScoreBuffers;
+        elem_t* const ds_tile = smem.ds[buffer];
+        const u32 ds_buffer = ds_piece + buffer * kDsBufferBytes;
 
         // P^T = exp2(score * log2_factor - lse_log2[query]) as 16-bit A fragments; masked scores give 0.
         auto probabilities = [&](float (&x)[kScoreAccumulators], u32 (&p16)[kScoreSteps][4]) {
@@ -258,7 +389,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
             add_keys_by_dim<DoTile>(dv, p16, do_cols);
             add_keys_by_dim<QTile>(dk, ds16, q_cols);
             wgmma_commit();
-            store_fragments(smem.ds, ds16, key0 + row_in_group, 2 * t);
+            store_fragments(ds_tile, ds16, key0 + row_in_group, 2 * t);
+            wgmma_wait<0>();
+            fence_operands(dv);
+            fence_operands(dk);
         } else {
             // Warpgroup 0 computes S^T = K Q^T and P^T, warpgroup 1 dP^T = V dO^T (the same product on the other
             // tiles, so no branch around it); P^T meets dP^T in shared memory and warpgroup 1 forms dS^T.
@@ -271,37 +405,37 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
             fence_operands(sdp);
             if (group == 0) {
                 probabilities(sdp, p16);
-                store_fragments(smem.p, p16, row_in_group, 2 * t);
+                store_fragments(smem.p[buffer], p16, row_in_group, 2 * t);
                 fence_proxy_async();
             }
-            __syncthreads();
+            consumers_sync();
             if (group == 1) {
-                load_fragments(p16, smem.p, row_in_group, 2 * t);
+                load_fragments(p16, smem.p[buffer], row_in_group, 2 * t);
                 score_gradients(sdp, p16, ds16);
-                store_fragments(smem.ds, ds16, row_in_group, 2 * t);
+                store_fragments(ds_tile, ds16, row_in_group, 2 * t);
             }
         }
         fence_proxy_async();
-        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block);  // deterministic mode: wait for this dQ tile
-        __syncthreads();
+        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block, threadIdx.x == kWarpgroupThreads);  // deterministic: wait for this dQ tile
+        consumers_sync();
 
         // dQ = dS K for this warpgroup's piece: A = dS, i.e. dS^T's rows read MN-major (a k16 step is 16 keys,
         // 16 rows further); B = K, MN-major the same way. With the columns split, dV and dK follow in a second
         // commit group and run on while dQ's reductions issue; either way every product has finished before the
-        // step ends (the next step's loads refill this step's Q and dO).
+        // step hands its stage back.
         float dq[kDqAccumulators];
         fence_operands(dq);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockN / kWgmmaK; ++kk)
-            wgmma_ss<1, 1>(dq, mn_major(ds_piece + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<DsTile>),
+            wgmma_ss<1, 1>(dq, mn_major(ds_buffer + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<DsTile>),
                            mn_major(k_cols + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<KTile>), kk > 0);
         wgmma_commit();
         if constexpr (!kSplitKeys) {
             fence_operands(dv);
             fence_operands(dk);
-            add_keys_by_dim<DoTile>(dv, smem_addr(smem.p), do_cols);
-            add_keys_by_dim<QTile>(dk, ds_smem, q_cols);
+            add_keys_by_dim<DoTile>(dv, smem_addr(smem.p[buffer]), do_cols);
+            add_keys_by_dim<QTile>(dk, smem_addr(ds_tile), q_cols);
             wgmma_commit();
         }
         wgmma_wait<kSplitKeys ? 0 : 1>();
@@ -320,23 +454,30 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
         wgmma_wait<0>();
         fence_operands(dv);
         fence_operands(dk);
-        turn.pass();
+        turn.pass(consumers_sync, threadIdx.x == kWarpgroupThreads);
     };
 
-    // Main loop over (query head, query tile) steps; afterwards K and V's tiles are free to stage dK and dV.
-    for_each_step<true>(steps, load_step, [&](int step, int stage) {
-        const int m0 = m_tile_of(step) * kBlockM;
+    // Main loop over (query head, query tile) steps: wait for the step's stage, run it, hand the stage back.
+    for (int step = 0; step < steps; ++step) {
+        const int stage = step % kStages, m0 = m_tile_of(step) * kBlockM;
+        mbarrier_wait(full + stage * kMbarrierBytes, (step / kStages) & 1);
         step_body(step, stage, !mask.tile_unmasked(m0, min(m0 + kBlockM, pr0.seqlen_q), n0, n0 + kBlockN));
-    });
+        if (lane == 0) mbarrier_arrive(empty + stage * kMbarrierBytes);
+    }
 
+    // Every consumer is past its last product (which read K): K and V's tiles are free to stage dK and dV.
+    consumers_sync();
+    const int thread = threadIdx.x - kWarpgroupThreads;  // among the consumers
     const int slab_row0 = key0 + (warp % kWarpgroupWarps) * kMmaM;
     stage_tile<KTile>(smem.k, as_slab(dk), f.softmax_scale, slab_row0, grad_col0);
     stage_tile<VTile>(smem.v, as_slab(dv), 1.f, slab_row0, grad_col0);
-    __syncthreads();
-    store_tile<KTile, kHeadDim>(smem.k, static_cast<elem_t*>(p.dk) + row_offset(p.dk_batch_stride, p.dk_row_stride,
-                                                                                p.dk_head_stride, b, pr0.k_start, h_kv),
-                                p.dk_row_stride, f.head_dim, n0, pr0.seqlen_k);
-    store_tile<VTile, kHeadDimV>(smem.v, static_cast<elem_t*>(p.dv) + row_offset(p.dv_batch_stride, p.dv_row_stride,
-                                                                                 p.dv_head_stride, b, pr0.k_start, h_kv),
-                                 p.dv_row_stride, f.head_dim_v, n0, pr0.seqlen_k);
+    consumers_sync();
+    store_tile<KTile, kHeadDim, kConsumerThreads>(
+        smem.k, static_cast<elem_t*>(p.dk) + row_offset(p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b,
+                                                        pr0.k_start, h_kv),
+        p.dk_row_stride, f.head_dim, n0, pr0.seqlen_k, thread);
+    store_tile<VTile, kHeadDimV, kConsumerThreads>(
+        smem.v, static_cast<elem_t*>(p.dv) + row_offset(p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b,
+                                                        pr0.k_start, h_kv),
+        p.dv_row_stride, f.head_dim_v, n0, pr0.seqlen_k, thread);
 }
