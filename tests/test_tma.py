@@ -68,7 +68,7 @@ class _FakeDriver:
         self.CUtensorMapInterleave = types.SimpleNamespace(CU_TENSOR_MAP_INTERLEAVE_NONE=0)
         self.CUtensorMapL2promotion = types.SimpleNamespace(CU_TENSOR_MAP_L2_PROMOTION_L2_128B=128)
         self.CUtensorMapFloatOOBfill = types.SimpleNamespace(CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE=0)
-        self.CUresult = types.SimpleNamespace(CUDA_SUCCESS=0)
+        self.CUresult = types.SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_INVALID_CONTEXT=201)
 
     def cuTensorMapEncodeTiled(self, dtype, rank, address, dims, strides, box, element_strides, *modes):
         self.calls.append((rank, list(dims), list(strides), list(box)))

@@ -58,12 +58,20 @@ def _encode(t: torch.Tensor, box: KvBox) -> bytes:
              else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
     swizzle = {64: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
                128: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}[box.cols * elem]
-    err, tmap = d.cuTensorMapEncodeTiled(
-        dtype, len(box_dims), t.data_ptr(), [d.cuuint64_t(n) for n in (*dims, *shape)], byte_strides,
-        [d.cuuint32_t(n) for n in box_dims], [d.cuuint32_t(1)] * len(box_dims),
-        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    def encode():
+        return d.cuTensorMapEncodeTiled(
+            dtype, len(box_dims), t.data_ptr(), [d.cuuint64_t(n) for n in (*dims, *shape)], byte_strides,
+            [d.cuuint32_t(n) for n in box_dims], [d.cuuint32_t(1)] * len(box_dims),
+            d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+            d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+    err, tmap = encode()
+    if err == d.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+        # A thread where the CUDA runtime never ran (autograd's backward thread encodes the backward's maps) has
+        # no current context: make the tensor's device's primary context current, once, as launch.run does.
+        cuda_module("cuda.core").Device(t.device.index).set_current()
+        err, tmap = encode()
     if err != d.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for a tensor of shape {tuple(t.shape)}, "
                            f"strides {t.stride()}")

@@ -40,12 +40,6 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
                  " @!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
 }
 
-// One arrival on `bar` once every cp.async this thread issued before it has landed; the barrier's count must
-// include it (.noinc: the arrival does not raise the pending count).
-__device__ __forceinline__ void cp_async_mbarrier_arrive(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
-}
-
 // One box of a 5-D map at coordinates (c0 innermost .. c4).
 __device__ __forceinline__ void tma_load_5d(u32 dst, const TensorMap& map, int c0, int c1, int c2, int c3, int c4,
                                             u32 bar) {

@@ -22,8 +22,8 @@
 //               reading all of K and V in both warpgroups, made that phase bound by shared-memory bandwidth.)
 //           Every operand starts on a 128-byte column block.
 //           Loads: a producer warp (warpgroup 0, its registers given to the consumers by setmaxnreg) brings K and
-//           V once and each step's Q and dO by the tensor memory accelerator, and the rows' LSE and D by
-//           cp.async, into a ring of kStages stages with a "full" and an "empty" mbarrier each. The consumers
+//           V once and each step's Q and dO by the tensor memory accelerator, and the rows' LSE and D through
+//           its registers, into a ring of kStages stages with a "full" and an "empty" mbarrier each. The consumers
 //           wait only for the stage they need and meet once a step, at a named barrier of their own before dQ
 //           (dS^T is shared); dS^T (and P^T) alternate between two buffers, so that barrier is the only one.
 //           A varlen sequence's last query tile or key block is copied by the warp's cp.async instead, which
@@ -93,7 +93,7 @@ struct __align__(kSwizzleAtomBytes) SharedStorage : ProbabilityTile<!kSplitKeys>
     float lse_log2[kStages][kBlockM];
     float dsum[kStages][kBlockM];
     u64 kv_full;                 // K and V have landed
-    u64 full[kStages];           // a step's Q, dO (the copy engine) and LSE, D (the producer warp's cp.async)
+    u64 full[kStages];           // a step's Q, dO (the copy engine) and LSE, D (the producer warp's lanes)
     u64 empty[kStages];          // every consumer warp is done with the stage
 };
 
@@ -219,7 +219,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
     if (threadIdx.x == kProducerThread) {
         mbarrier_init(kv_full, 1);
         for (int s = 0; s < kStages; ++s) {
-            mbarrier_init(full + s * kMbarrierBytes, 1 + kWarpSize);  // the copy engine's bytes, the warp's cp.async
+            mbarrier_init(full + s * kMbarrierBytes, 1 + kWarpSize);  // the copy engine's bytes, the warp's lanes
             mbarrier_init(empty + s * kMbarrierBytes, kConsumerWarps);
         }
         mbarrier_init_fence();
@@ -231,7 +231,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
     const int map_batch = varlen ? 0 : b;
     if (warpgroup == 0) {
         // Producer: K and V once, then each step's Q and dO by the copy engine and its rows' LSE (base 2) and D by
-        // the warp's cp.async (rows past the sequence read as zeros), into the ring as soon as a stage is free.
+        // the warp's lanes (rows past the sequence read as zeros), into the ring as soon as a stage is free.
         setmaxnreg_dec<kProducerRegisters>();
         if (warp != 0) return;
         if (varlen && n0 + kBlockN > pr0.seqlen_k) {  // the sequence's last key block: as a last query tile below
@@ -279,22 +279,27 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
                                 blk * kSwizzleRowElems, (int)pr0.q_start + m0, head, map_batch, bar);
                 }
             }
+            // The rows' LSE and D through registers: each lane's arrival (a release) publishes its stores.
+            float lse_rows[kBlockM / kWarpSize], dsum_rows[kBlockM / kWarpSize];
 #pragma unroll
-            for (int r = lane; r < kBlockM; r += kWarpSize) {
-                const int row = m0 + r;
+            for (int i = 0; i < kBlockM / kWarpSize; ++i) {
+                const int row = m0 + lane + i * kWarpSize;
                 const i64 at = pr0.lse_offset + (head - h_first) * f.lse_head_stride + row;
                 const bool valid = row < pr0.seqlen_q;
-                cp_async_4(lse_smem + stage * kRowStageBytes + r * 4, valid ? p.lse_log2 + at : p.lse_log2, valid);
-                cp_async_4(dsum_smem + stage * kRowStageBytes + r * 4, valid ? p.dsum + at : p.dsum, valid);
+                lse_rows[i] = valid ? p.lse_log2[at] : 0.f;
+                dsum_rows[i] = valid ? p.dsum[at] : 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < kBlockM / kWarpSize; ++i) {
+                smem.lse_log2[stage][lane + i * kWarpSize] = lse_rows[i];
+                smem.dsum[stage][lane + i * kWarpSize] = dsum_rows[i];
             }
             if (by_warp) {
                 cp_async_wait<0>();
                 fence_proxy_async();
-                mbarrier_arrive(bar);
                 if (lane == 0) mbarrier_arrive(bar);  // in place of the copy engine's arrival
-            } else {
-                cp_async_mbarrier_arrive(bar);
             }
+            mbarrier_arrive(bar);
         }
         return;
     }
@@ -462,6 +467,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         const int stage = step % kStages, m0 = m_tile_of(step) * kBlockM;
         mbarrier_wait(full + stage * kMbarrierBytes, (step / kStages) & 1);
         step_body(step, stage, !mask.tile_unmasked(m0, min(m0 + kBlockM, pr0.seqlen_q), n0, n0 + kBlockN));
+        __syncwarp();  // every lane's reads of the stage (LSE and D) before the warp's release
         if (lane == 0) mbarrier_arrive(empty + stage * kMbarrierBytes);
     }
 
