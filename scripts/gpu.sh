@@ -43,7 +43,6 @@ if [ "$MODE" = bench ] || [ "$MODE" = tune ]; then
     step matrix matrix.log python3 -m flashtile bench matrix --out "$OUT/docs"
     step decode decode.log python3 -m flashtile bench decode --out "$OUT/docs"
     step overhead overhead.log python3 scripts/overhead.py --out "$OUT/docs"
-    [ "$MODE" = bench ] && step hf hf.log python3 -m pytest -q -p no:cacheprovider tests/test_hf_gpu.py
 fi
 if [ "$MODE" = tune ]; then
     step tune tune.log python3 scripts/tune_fwd.py
