@@ -2,6 +2,7 @@
 
 import types
 
+import pytest
 import torch
 
 from flashtile import specs, tma
@@ -88,3 +89,32 @@ def test_a_box_of_column_blocks_takes_a_five_dimensional_map(monkeypatch):
     tma._encode(pages, KvBox(16, 32, 4))
     assert driver.calls[0] == (4, [128, 16, 4, 10], [row, head, page], [32, 16, 1, 1])
     assert driver.calls[1] == (5, [32, 16, 4, 4, 10], [row, 64, head, page], [32, 16, 4, 1, 1])
+
+
+def test_a_thread_without_a_context_gets_its_devices_and_encodes_again(monkeypatch):
+    """Autograd's backward thread may have no current CUDA context when it encodes the backward's maps: the encoder
+    makes the tensor's device's primary context current and tries once more; any other failure is an error."""
+    driver = _FakeDriver()
+    answers = [201, 0]
+    calls = driver.calls
+    driver.cuTensorMapEncodeTiled = lambda *args: (calls.append(args) or answers.pop(0),
+                                                   types.SimpleNamespace(getPtr=lambda: 0))
+    made_current = []
+
+    class _Device:
+        def __init__(self, index):
+            self.index = index
+
+        def set_current(self):
+            made_current.append(self.index)
+
+    monkeypatch.setattr(tma, "_cuda", lambda: driver)
+    monkeypatch.setattr(tma, "cuda_module", lambda name: types.SimpleNamespace(Device=_Device))
+    monkeypatch.setattr(tma.ctypes, "string_at", lambda address, size: bytes(size))
+    k = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 3)), raising=False)
+    assert len(tma._encode(k, KvBox(64, 64))) == tma.MAP_BYTES
+    assert made_current == [3] and len(calls) == 2
+    answers[:] = [201, 201]
+    with pytest.raises(RuntimeError, match="INVALID|201"):
+        tma._encode(k, KvBox(64, 64))
