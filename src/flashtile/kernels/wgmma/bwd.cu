@@ -421,7 +421,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
             }
         }
         fence_proxy_async();
-        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block, threadIdx.x == kWarpgroupThreads);  // deterministic: wait for this dQ tile
+        // Deterministic mode: wait for this dQ tile's turn.
+        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block, threadIdx.x == kWarpgroupThreads);
         consumers_sync();
 
         // dQ = dS K for this warpgroup's piece: A = dS, i.e. dS^T's rows read MN-major (a k16 step is 16 keys,
