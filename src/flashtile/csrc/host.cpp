@@ -1696,6 +1696,9 @@ FT_KERNEL_INLINE void decode_backward_merge_t(const DecodeBackwardWork<In, Acc>&
   }
 }
 
+// The work for each input type, cloned for the machine like the products; fp64's too (the small-problem path's
+// is not: it serves gradcheck's sizes), since decoding in fp64 built for the baseline machine ran well behind
+// torch's kernel (notes.md, "The decode path").
 #define FT_DECODE_CLONES(Work, name)                                                                              \
   FT_CPU_CLONES FT_KERNEL_OPTIONS static void name(const Work<float, float>& w, int64_t first, int64_t last) {    \
     name##_t(w, first, last);                                                                                      \
@@ -1707,7 +1710,7 @@ FT_KERNEL_INLINE void decode_backward_merge_t(const DecodeBackwardWork<In, Acc>&
   FT_CPU_CLONES FT_KERNEL_OPTIONS static void name(const Work<c10::Half, float>& w, int64_t first, int64_t last) { \
     name##_t(w, first, last);                                                                                      \
   }                                                                                                                \
-  FT_KERNEL_OPTIONS static void name(const Work<double, double>& w, int64_t first, int64_t last) {                \
+  FT_CPU_CLONES FT_KERNEL_OPTIONS static void name(const Work<double, double>& w, int64_t first, int64_t last) {  \
     name##_t(w, first, last);                                                                                      \
   }
 FT_DECODE_CLONES(DecodeForwardWork, decode_forward_items)
