@@ -1218,10 +1218,33 @@ FT_KERNEL_INLINE void tile_dots_t(const Acc* a, int64_t lda, int64_t rows, const
   }
 }
 
-// tile_dots_t for `rows` as decode_rows_padded gives them.
+// A tile's dot products either fold (tile_dots_t: per row and tile, dim multiply-adds, about dim / 2 loads, and
+// the fold's 3 (lanes - 1) shuffles and adds) or first transpose the tile (a move per element, lanes x dim), then
+// take one multiply-add per row and element, as product_t does. The transpose pays where
+// rows x (3 (lanes - 1) + dim / 2) > lanes x dim: small head dims, many rows; so it measured (notes.md, "The
+// decode path"). Its buffer is on the stack: head dims up to kDecodeTransposeDim.
+constexpr int64_t kDecodeTransposeDim = 256;
+
+template <class Acc>
+inline bool transpose_pays(int64_t rows, int64_t dim) {
+  constexpr int64_t lanes = kDecodeTileKeys<Acc>;
+  return dim <= kDecodeTransposeDim && rows % kDecodeRowTile == 0 &&
+         rows * (6 * (lanes - 1) + dim) > 2 * lanes * dim;
+}
+
+// tile_dots_t, or the transposed tile's product, for `rows` as decode_rows_padded gives them.
 template <class Acc>
 FT_KERNEL_INLINE void tile_dots(const Acc* a, int64_t lda, int64_t rows, const Acc* const* keys, int64_t dim, Acc* s,
                                 int64_t lds) {
+  constexpr int64_t kKeys = kDecodeTileKeys<Acc>;
+  if (transpose_pays<Acc>(rows, dim)) {
+    Acc keys_t[kDecodeTransposeDim * kKeys];
+    for (int64_t e = 0; e < dim; ++e) {
+      for (int64_t j = 0; j < kKeys; ++j) keys_t[e * kKeys + j] = keys[j][e];
+    }
+    product_t<kDecodeRowTile, kKeys>(a, lda, keys_t, kKeys, s, lds, rows, dim, kKeys);
+    return;
+  }
   if (rows == 1) {
     tile_dots_t<1>(a, lda, rows, keys, dim, s, lds);
   } else if (rows == 2) {
