@@ -19,10 +19,19 @@ SETUPS = {
     "blind-rows-alibi": dict(shape=(1, 40, 24, 2, 1, 8), options={"causal": True, "softcap": 5.0, "alibi": True}),
     # first 16 rows see no key, GQA, nothing else: host.cpp's own kernel serves it (not square under a causal mask)
     "blind-rows-gqa": dict(shape=(1, 40, 24, 4, 2, 8), options={"causal": True}),
+    # decoding: 3 queries of 4 heads over 1100 keys of one kv head, causal: host.cpp's decode path, its keys split
+    # in parts; the poisoned key is seen by the last query alone, the poisoned value by the last two
+    "decode-gqa": dict(shape=(1, 3, 1100, 4, 1, 8), options={"causal": True},
+                       poison_at={"q": (0, 1, 3), "k": (0, 1099, 0), "v": (0, 1098, 0)}),
 }
 POISON_AT = {"q": (0, 30, 1), "k": (0, 17, 0), "v": (0, 20, 0), "slope": 1}  # (batch, position, head) or head
 POISONS = [("q", math.nan), ("k", math.nan), ("v", math.nan), ("slope", math.nan),
            ("q", math.inf), ("q", -math.inf), ("v", math.inf), ("slope", math.inf), ("slope", -math.inf)]
+
+
+def _poison_at(setup: str, where: str):
+    """Where `where` is poisoned in this setup: its own positions, else POISON_AT's."""
+    return SETUPS[setup].get("poison_at", POISON_AT)[where]
 
 
 def _applies(setup: str, poison) -> bool:
@@ -54,9 +63,9 @@ def make(setup: str, poison, dtype=torch.float32, seed=0):
     options = dict(options)
     if where == "slope":
         options["alibi_slopes"] = options["alibi_slopes"].clone()
-        options["alibi_slopes"][POISON_AT["slope"]] = value
+        options["alibi_slopes"][_poison_at(setup, "slope")] = value
     else:
-        b, pos, h = POISON_AT[where]
+        b, pos, h = _poison_at(setup, where)
         target = {"q": q, "k": k, "v": v}[where][b, pos, h]
         if math.isnan(value):
             target[0] = value
@@ -78,9 +87,10 @@ def expected_nan(setup: str, poison) -> dict[str, torch.Tensor]:
     reads_v = torch.zeros(batch, hq, sq, dtype=torch.bool)     # rows that read a poisoned v
     where = poison[0]
     if where == "slope":
-        reads_qks[:, POISON_AT["slope"]] = reads[:, POISON_AT["slope"]].any(-1)
+        slope = _poison_at(setup, "slope")
+        reads_qks[:, slope] = reads[:, slope].any(-1)
     else:
-        b, pos, h = POISON_AT[where]
+        b, pos, h = _poison_at(setup, where)
         if where == "q":
             reads_qks[b, h, pos] = reads[b, h, pos].any()
         else:

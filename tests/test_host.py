@@ -163,6 +163,8 @@ CPU_CASES = [
     (1, 270, 270, 2, 2, 8, True, torch.float16),
 ]
 OWN_SEQLEN = 256  # host.cpp's kOwnSeqlen
+DECODE_QUERIES = 16  # host.cpp's kDecodeQueries
+DECODE_ROWS = 256  # host.cpp's kDecodeRows
 
 
 def _cpu_leaves(case, seed=0):
@@ -297,11 +299,12 @@ def test_a_nonfinite_input_leaves_the_cpu_kernel_call_to_the_python_rules(monkey
                          ids=["softcap", "window", "causal-not-square"])
 def test_the_cpu_kernel_call_is_not_taken_where_the_kernel_does_not_serve(monkeypatch, options):
     """Neither kernel: softcap and windows; and a causal mask on a problem that is not square and too large for
-    host.cpp's own kernel (torch's kernel's causal mask is top-left aligned)."""
+    host.cpp's own kernel, small-problem or decode path (torch's kernel's causal mask is top-left aligned)."""
     monkeypatch.setenv(host.MODE_ENV, "on")
     api.clear_calls()
-    q = torch.randn(1, 9, 2, 16)
-    k = v = torch.randn(1, 9 if "causal" not in options or len(options) > 1 else OWN_SEQLEN + 1, 2, 16)
+    seqlen_q = DECODE_QUERIES + 1  # past the decode path's queries too
+    q = torch.randn(1, seqlen_q, 2, 16)
+    k = v = torch.randn(1, seqlen_q if "causal" not in options or len(options) > 1 else OWN_SEQLEN + 1, 2, 16)
     with torch.no_grad():
         flashtile.attention(q, k, v, **options)
     assert [c.cpu_kernel for c in api._calls.values()] == [None]
@@ -376,24 +379,37 @@ def test_the_own_kernels_training_call_records_the_cpu_node_and_reads_any_stride
 
 @needs_build
 def test_the_own_kernel_leaves_to_torchs_kernel_what_it_measured_slower_at(monkeypatch):
-    """host.cpp's limits: too few queries to spread each head's copy of K and V over (decoding), too much K and V
-    to copy from cache, too many keys or too much work a head. Those calls keep torch's kernel (square or not
-    causal) or the general path."""
+    """host.cpp's limits. The small-problem path: not too few queries to spread each head's copy of K and V over
+    (decoding), not too much K and V to copy from cache, not too many keys or too much work a head. The decode
+    path takes what the small-problem path leaves, up to DECODE_QUERIES queries and DECODE_ROWS query rows per
+    (batch, kv head) (its group's heads times seqlen_q), any number of keys. The rest keeps torch's kernel
+    (square or not causal) or the general path."""
     monkeypatch.setenv(host.MODE_ENV, "on")
     module = host.extension()
 
-    def serves(batch, sq, sk, hq, hkv, d):
-        return module.own_kernel_serves(torch.zeros(batch, sq, hq, d), torch.zeros(batch, sk, hkv, d),
-                                        torch.zeros(batch, sk, hkv, d))
-    assert serves(1, 8, 8, 2, 2, 16) and serves(1, 128, 128, 8, 8, 64) and serves(1, 4, 200, 4, 1, 64)
-    assert not serves(8, 1, 128, 32, 32, 128)      # decoding: one query a head
-    assert not serves(8, 16, 128, 32, 32, 128)     # 4M elements of K
-    assert not serves(1, 16, OWN_SEQLEN + 1, 2, 2, 16)
-    assert not serves(1, 128, 128, 2, 2, 128)      # 2M multiply-adds a head
+    def operands(batch, sq, sk, hq, hkv, d):
+        return torch.zeros(batch, sq, hq, d), torch.zeros(batch, sk, hkv, d), torch.zeros(batch, sk, hkv, d)
+
+    def path(*shape):
+        small, decode = module.own_small_serves(*operands(*shape)), module.own_decode_serves(*operands(*shape))
+        assert not (small and decode) and module.own_kernel_serves(*operands(*shape)) == (small or decode)
+        return "small" if small else "decode" if decode else "torch"
+    assert path(1, 8, 8, 2, 2, 16) == path(1, 128, 128, 8, 8, 64) == path(1, 4, 200, 4, 1, 64) == "small"
+    assert path(8, 1, 128, 32, 32, 128) == "decode"     # decoding: one query a head
+    assert path(8, 16, 128, 32, 32, 128) == "decode"    # 4M elements of K: past the small path's copies
+    assert path(1, 1, 100_000, 8, 1, 64) == "decode"    # any number of keys
+    assert path(2, 8, 512, 16, 4, 64) == "decode"       # 4 heads x 8 queries a kv head
+    assert path(1, DECODE_QUERIES, 300, 8, 2, 16) == "decode"
+    assert path(1, DECODE_QUERIES + 1, 300, 8, 2, 16) == "torch"
+    assert path(1, DECODE_QUERIES, 300, DECODE_ROWS // DECODE_QUERIES * 4, 4, 16) == "decode"
+    assert path(1, DECODE_QUERIES, 300, (DECODE_ROWS // DECODE_QUERIES + 1) * 4, 4, 16) == "torch"  # rows
+    assert path(1, 128, 128, 2, 2, 128) == "torch"      # 2M multiply-adds a head
+    bf16 = [t.bfloat16() for t in operands(1, 1, 4096, 8, 2, 64)]
+    assert module.own_decode_serves(*bf16) and not module.own_decode_serves(bf16[0].float(), *bf16[1:])
 
 
 OWN_NONFINITE_CASES = [(setup, poison) for setup, poison in NONFINITE_CASES
-                       if setup in ("causal-gqa", "blind-rows-gqa")]
+                       if setup in ("causal-gqa", "blind-rows-gqa", "decode-gqa")]
 
 
 @needs_build
@@ -441,6 +457,151 @@ def test_gradcheck_through_the_own_kernel_in_fp64(monkeypatch, causal):
     api.clear_calls()
     assert torch.autograd.gradcheck(lambda q, k, v: flashtile.attention(q, k, v, causal=causal), (q, k, v))
     assert [c.cpu_kernel is not None for c in api._calls.values()] == [True]
+
+
+# ---- host.cpp's decode path (few query rows per kv head, any number of keys: K and V read where they lie) ----------
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, dtype). One (batch, kv head) pair over 1024 keys
+# or more splits its keys in parts (flash-decoding) whatever the thread count: those rows test the merge.
+DECODE_CASES = [
+    (2, 1, 300, 8, 2, 64, False, torch.float32),
+    (1, 1, 4100, 4, 1, 128, False, torch.float32),   # split
+    (1, 3, 2500, 4, 1, 40, True, torch.float32),     # split, causal, a head dim the tiles pad
+    (2, 2, 700, 6, 3, 32, True, torch.bfloat16),     # causal, fewer queries than keys: bottom-right aligned
+    (1, 1, 2000, 8, 1, 64, False, torch.float16),    # split
+    (1, 2, 1500, 2, 1, 24, True, torch.float64),     # split
+    (1, 3, 2, 2, 2, 16, True, torch.float32),        # more queries than keys: the first row sees no key
+    (2, 8, 600, 8, 2, 64, True, torch.float32),      # 32 rows a kv head
+]
+
+
+@needs_build
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_own_ids(DECODE_CASES))
+def test_the_decode_path_matches_the_fp64_reference_with_the_lse_and_its_gradient(monkeypatch, case):
+    """Decoding shapes take host.cpp's decode path through the C++ kernel call: out and LSE, and dq, dk, dv with
+    the loss using both out and the LSE (dLSE), within twice PyTorch's own error in the inputs' precision against
+    fp64; the training call without the LSE records the C++ node and gives the same gradients bit for bit."""
+    from flashtile import testing
+
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    causal, dtype = case[6], case[7]
+    leaves = _cpu_leaves(case, seed=1)
+    assert host.extension().own_decode_serves(*leaves)
+    api.clear_calls()
+    out, lse = flashtile.attention(*leaves, causal=causal, return_lse=True)
+    assert [c.cpu_kernel is not None for c in api._calls.values()] == [True], "not the C++ kernel call"
+    g = torch.Generator().manual_seed(2)
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    dlse = torch.randn(lse.shape, generator=g).masked_fill(torch.isneginf(lse), 0.0)  # blind rows: no gradient
+    grads = torch.autograd.grad((out, lse), leaves, (dout, dlse), retain_graph=True)
+    q, k, v = (t.detach() for t in leaves)
+    comparison = testing.compare(q, k, v, out.detach(), lse.detach(), causal=causal)
+    assert comparison.ok, comparison
+    grad_comparison = testing.compare_grads(q, k, v, dout, grads, dlse=dlse, causal=causal)
+    assert grad_comparison.ok, grad_comparison
+    trained = flashtile.attention(*leaves, causal=causal)
+    assert trained.grad_fn.name() == "flashtile::CpuAttentionBackward" and torch.equal(trained, out)
+    dlse_free = torch.autograd.grad((out, lse), leaves, (dout, torch.zeros_like(lse)))
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(trained, leaves, dout), dlse_free))
+
+
+@needs_build
+@pytest.mark.parametrize("case", DECODE_CASES[:4], ids=_own_ids(DECODE_CASES[:4]))
+def test_the_decode_path_reads_k_and_v_in_place_at_any_strides(monkeypatch, case):
+    """Views give what contiguous copies give, bit for bit (the path reads fp32 vectors in place and converts the
+    others per vector, in the same order of operations): through the API, heads first in memory and the first
+    keys of a longer cache whose vectors are padded (NaN in the padding and past the keys: a slip would show);
+    through the kernel itself, which the API does not limit to unit strides, every other element along the
+    head dim."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    module = host.extension()
+    batch, _, seqlen_k, _, heads_kv, head_dim, causal, dtype = case
+    leaves = _cpu_leaves(case, seed=3)
+    q, k, v = (t.detach() for t in leaves)
+    heads_first = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v)]
+    caches = [torch.full((batch, seqlen_k + 5, heads_kv, head_dim + 8), float("nan"), dtype=dtype) for _ in (k, v)]
+    for cache, t in zip(caches, (k, v)):
+        cache[:, :seqlen_k, :, :head_dim] = t
+    in_cache = [cache[:, :seqlen_k, :, :head_dim] for cache in caches]
+    dout = torch.randn(*q.shape, dtype=torch.float32).to(dtype)
+    results = []
+    for kv in ((k, v), heads_first, in_cache, (heads_first[0], in_cache[1])):
+        operands = [t.detach().requires_grad_() for t in (q, *kv)]
+        assert module.own_decode_serves(*operands)
+        out = flashtile.attention(*operands, causal=causal)
+        results.append((out.detach(), *torch.autograd.grad(out, operands, dout)))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    every_other = [torch.stack([t, torch.full_like(t, float("nan"))], dim=-1).flatten(-2)[..., ::2] for t in (q, k, v)]
+    scale = head_dim ** -0.5
+    kernel_results = []
+    for operands in ((q, k, v), every_other):
+        out, lse = module.own_forward(*operands, scale, causal)
+        kernel_results.append((out, lse, *module.own_backward(dout, *operands, out, lse, None, scale, causal)))
+    for a, b in zip(*kernel_results):
+        assert torch.equal(a, b)
+
+
+@needs_build
+@pytest.mark.parametrize("seqlen_k", [5, 1100], ids=["one-part", "split"])
+def test_gradcheck_through_the_decode_path_in_fp64(monkeypatch, seqlen_k):
+    """fp64 through the decode path (GQA, causal, three queries so that the mask cuts the last keys per row; the
+    keys split in parts at 1100) is differentiable to gradcheck's precision."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 3, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, seqlen_k, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, seqlen_k, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    assert host.extension().own_decode_serves(q, k, v)
+    api.clear_calls()
+    assert torch.autograd.gradcheck(lambda q, k, v: flashtile.attention(q, k, v, causal=True), (q, k, v))
+    assert [c.cpu_kernel is not None for c in api._calls.values()] == [True]
+
+
+DECODE_FUZZ_CASES = 60
+
+
+@needs_build
+def test_nonfinite_inputs_on_the_decode_path_get_the_python_paths_answer(monkeypatch):
+    """As the fuzz above, on decoding shapes (one to three queries, up to 32 rows a kv head, keys split in parts
+    past 1024): NaN exactly where the Python path's rules put NaN, outputs, LSEs and gradients, the rest within
+    FUZZ_TOLERANCE."""
+    import math
+    import random
+
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    module = host.extension()
+    rng = random.Random(5)
+    for _ in range(DECODE_FUZZ_CASES):
+        batch, seqlen_q, heads_kv, group = rng.choice([1, 2]), rng.choice([1, 2, 3]), rng.choice([1, 2]), rng.choice([1, 4])
+        seqlen_k, head_dim, causal = rng.choice([2, 300, 1500]), rng.choice([8, 16]), rng.random() < 0.5
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float64])
+        g = torch.Generator().manual_seed(rng.randrange(2**31))
+        q = torch.randn(batch, seqlen_q, heads_kv * group, head_dim, generator=g).to(dtype)
+        k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=g).to(dtype) for _ in range(2))
+        assert module.own_decode_serves(q, k, v)
+        for _ in range(rng.choice([1, 2])):
+            target = rng.choice([q, k, v])
+            at = tuple(rng.randrange(n) for n in target.shape[:3])
+            value = rng.choice([math.nan, math.inf, -math.inf])
+            if rng.random() < 0.5:
+                target[at].fill_(value)
+            else:
+                target[at + (rng.randrange(head_dim),)] = value
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        dout = torch.randn(q.shape, generator=g).to(dtype)
+        results = []
+        for path in (contextlib.nullcontext(), host.python_path()):
+            with path:
+                api.clear_calls()
+                out = flashtile.attention(*leaves, causal=causal)
+                with torch.no_grad():
+                    lse = flashtile.attention(*leaves, causal=causal, return_lse=True)[1]
+                results.append((out.detach(), lse, *torch.autograd.grad(out, leaves, dout)))
+        for ours, theirs in zip(*results):
+            tolerance = FUZZ_TOLERANCE[dtype]
+            torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance, equal_nan=True)
 
 
 @needs_build

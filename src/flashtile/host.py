@@ -1,6 +1,6 @@
 """The host path: a planned call's per-call work (allocate, write the params, launch, record the autograd node) in
 C++, where a host compiler exists; and on the CPU, the general path's kernel calls: host.cpp's own kernel for
-small problems, torch's kernel after the finite check elsewhere.
+small problems and decoding shapes, torch's kernel after the finite check elsewhere.
 
 Python plans every call (plans.py); ``csrc/host.cpp`` only replays a plan: it takes the kernels' handles and
 geometry and the params struct packed with its address fields zero, and per call writes the operands' addresses
@@ -280,8 +280,9 @@ class CpuKernel(NamedTuple):
 
 def cpu_kernel_of(problem) -> CpuKernel | None:
     """The C++ calls of the CPU kernels for a CPU problem one of them computes as flashtile defines it (host.cpp's
-    own kernel for small problems, any causal shape; torch's where the problem is square under a causal mask),
-    or None where the general path serves every call: no extension, or neither kernel serves the problem."""
+    own kernel for small problems and decoding's few queries, any causal shape; torch's where the problem is
+    square under a causal mask), or None where the general path serves every call: no extension, or neither
+    kernel serves the problem."""
     q, k, v = problem.q, problem.k, problem.v
     left, right = problem.window
     if problem.varlen or not cpu_kernel.serves(q, k, v, left, right, problem.softcap, problem.alibi_slopes):

@@ -22,6 +22,7 @@
 #include <string>
 #include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <ATen/Dispatch.h>
@@ -1172,24 +1173,734 @@ FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Ten
   });
 }
 
-// Problems this kernel takes: head_dim_v == head_dim (the caller's cpu_kernel.serves checked it, with no softcap,
-// ALiBi or window), the four float types, and where it measured faster than torch's kernel (notes.md, "CPU small
-// shapes (session sixteen)"): at most kOwnWork multiply-adds per (batch, query head) and kOwnSeqlen keys; at
-// least kOwnMinQueries queries, over which each head's copy of its keys and values is spread; and at most
-// kOwnKeyValues elements of K (batch x seqlen_k x heads_kv x head_dim), past which those copies stream from memory
-// (b8 h32 q16 k128 d128 ran at 0.73x torch's kernel).
+// ---- The own kernel's decode path: few query rows per kv head, K and V read where they lie ---------------------
+
+// Decoding shapes (a few queries a head over many keys) gain nothing from the small-problem path's per-head copies
+// of K and V: each copied element is read once. This path reads K and V in place, tile by tile of
+// kDecodeTileKeys(Acc) keys (converted into a small buffer where the operand is bf16/fp16, strided along the head
+// dim, or its head dim needs padding), for all the query rows of a (batch, kv head) at once: its group's query
+// heads times seqlen_q, which share every tile. Keys split further into parts where (batch, kv head) pairs are
+// too few for the threads (flash-decoding's split-K): each part keeps its rows' running max, sum and output, and a
+// second pass merges them. NaN and Inf follow reference.py's rule as on the small-problem path, without a scan:
+// scores come from q and k as they are, so a NaN or Inf reaches the rows that read it; a row's output is the sum
+// of its weights times the value vectors it sees, and only those (the products stop at each row's last key), so
+// a value vector with a NaN or Inf makes a non-finite element in exactly the rows that see it, which then become
+// NaN whole. The backward reads a non-finite key vector as zeros in dS K, and a non-finite query row as zeros in
+// dS^T Q, as the chunked loop does.
+
+// Query rows and keys are dot products here (K lies with the head dim contiguous): each row's products with a
+// tile of keys accumulate in one vector per key, the lanes splitting the head dim; `sum_lanes` then adds every
+// vector's lanes at once, by a butterfly of two-vector shuffles that halves the lanes a key holds and doubles the
+// keys a vector holds, until lane j holds key j's sum. So a tile is one vector's lanes of keys.
+typedef int32_t FloatIndex __attribute__((vector_size(kVectorBytes)));
+typedef int64_t DoubleIndex __attribute__((vector_size(kVectorBytes)));
+template <class Acc>
+using IndexOf = std::conditional_t<std::is_same_v<Acc, float>, FloatIndex, DoubleIndex>;
+template <class Acc>
+constexpr int64_t kDecodeTileKeys = kVectorBytes / sizeof(Acc);
+
+// Lane t of one half of a fold of x and y, whose keys hold `width` lanes each: the result's first half of lanes
+// takes x's keys, its second y's, each key now `width / 2` lanes wide; the lower half of every key's lanes, or
+// (High) the upper half.
+template <class Acc, int64_t Width, bool High>
+constexpr int fold_lane(size_t t) {
+  constexpr int64_t lanes = kDecodeTileKeys<Acc>, half = Width / 2;
+  const int64_t from_y = static_cast<int64_t>(t) >= lanes / 2 ? 1 : 0;
+  const int64_t u = static_cast<int64_t>(t) - from_y * (lanes / 2);
+  return static_cast<int>(from_y * lanes + u / half * Width + u % half + (High ? half : 0));
+}
+
+template <class Acc, int64_t Width, bool High, size_t... T>
+FT_KERNEL_INLINE VectorOf<Acc> fold_half(const VectorOf<Acc>& x, const VectorOf<Acc>& y, std::index_sequence<T...>) {
+#if defined(__clang__)
+  return __builtin_shufflevector(x, y, fold_lane<Acc, Width, High>(T)...);
+#else
+  return __builtin_shuffle(x, y, IndexOf<Acc>{fold_lane<Acc, Width, High>(T)...});
+#endif
+}
+
+// x[0, Width) hold Width keys of Width lanes each (a key's sum is the sum of its lanes): fold pairs until x[0]
+// holds every key's sum, key j in lane j.
+template <class Acc, int64_t Width>
+FT_KERNEL_INLINE void sum_lanes(VectorOf<Acc>* x) {
+  constexpr auto lanes = std::make_index_sequence<kDecodeTileKeys<Acc>>();
+  for (int64_t i = 0; i < Width / 2; ++i) {
+    x[i] = fold_half<Acc, Width, false>(x[2 * i], x[2 * i + 1], lanes) +
+           fold_half<Acc, Width, true>(x[2 * i], x[2 * i + 1], lanes);
+  }
+  if constexpr (Width > 2) sum_lanes<Acc, Width / 2>(x);
+}
+
+// The products take the rows of a (batch, kv head) kDecodeRowTile at a time, padded to that, except one or two
+// rows (MHA decoding), which take tiles of their own height.
+constexpr int64_t kDecodeRowTile = 4;
+
+inline int64_t decode_rows_padded(int64_t rows) { return rows <= 2 ? rows : padded(rows, kDecodeRowTile); }
+
+// s[r * lds + j] = a_r . keys[j] for r < rows (a multiple of R) and every key of the tile, over dim elements (a
+// multiple of the vector's lanes): R rows at a time with lanes / R keys, so that one fold sums them all and each
+// loaded vector serves R rows or lanes / R keys.
+template <int64_t R, class Acc>
+FT_KERNEL_INLINE void tile_dots_t(const Acc* a, int64_t lda, int64_t rows, const Acc* const* keys, int64_t dim,
+                                  Acc* s, int64_t lds) {
+  constexpr int64_t kLanesPer = kDecodeTileKeys<Acc>, kKeysPer = kLanesPer / R;
+  static_assert(kKeysPer * R == kLanesPer, "a fold sums R rows of kKeysPer keys");
+  for (int64_t r0 = 0; r0 < rows; r0 += R) {
+    for (int64_t j0 = 0; j0 < kLanesPer; j0 += kKeysPer) {
+      VectorOf<Acc> sums[kLanesPer] = {};
+      for (int64_t e0 = 0; e0 < dim; e0 += kLanesPer) {
+        VectorOf<Acc> x[R];
+        for (int64_t r = 0; r < R; ++r) x[r] = load_lanes(a + (r0 + r) * lda + e0);
+        for (int64_t j = 0; j < kKeysPer; ++j) {
+          const VectorOf<Acc> y = load_lanes(keys[j0 + j] + e0);
+          for (int64_t r = 0; r < R; ++r) sums[r * kKeysPer + j] += x[r] * y;
+        }
+      }
+      sum_lanes<Acc, kLanesPer>(sums);
+      Acc lanes[kLanesPer];
+      std::memcpy(lanes, &sums[0], sizeof(lanes));
+      for (int64_t r = 0; r < R; ++r) {
+        std::memcpy(s + (r0 + r) * lds + j0, lanes + r * kKeysPer, sizeof(Acc) * kKeysPer);
+      }
+    }
+  }
+}
+
+// A tile's dot products either fold (tile_dots_t: per row and tile, dim multiply-adds, about dim / 2 loads, and
+// the fold's 3 (lanes - 1) shuffles and adds) or first transpose the tile (a move per element, lanes x dim), then
+// take one multiply-add per row and element, as product_t does. The transpose pays where
+// rows x (3 (lanes - 1) + dim / 2) > lanes x dim: small head dims, many rows; so it measured (notes.md, "The
+// decode path"). Its buffer is on the stack: head dims up to kDecodeTransposeDim.
+constexpr int64_t kDecodeTransposeDim = 256;
+
+template <class Acc>
+inline bool transpose_pays(int64_t rows, int64_t dim) {
+  constexpr int64_t lanes = kDecodeTileKeys<Acc>;
+  return dim <= kDecodeTransposeDim && rows % kDecodeRowTile == 0 &&
+         rows * (6 * (lanes - 1) + dim) > 2 * lanes * dim;
+}
+
+// tile_dots_t, or the transposed tile's product, for `rows` as decode_rows_padded gives them.
+template <class Acc>
+FT_KERNEL_INLINE void tile_dots(const Acc* a, int64_t lda, int64_t rows, const Acc* const* keys, int64_t dim, Acc* s,
+                                int64_t lds) {
+  constexpr int64_t kKeys = kDecodeTileKeys<Acc>;
+  if (transpose_pays<Acc>(rows, dim)) {
+    Acc keys_t[kDecodeTransposeDim * kKeys];
+    for (int64_t e = 0; e < dim; ++e) {
+      for (int64_t j = 0; j < kKeys; ++j) keys_t[e * kKeys + j] = keys[j][e];
+    }
+    product_t<kDecodeRowTile, kKeys>(a, lda, keys_t, kKeys, s, lds, rows, dim, kKeys);
+    return;
+  }
+  if (rows == 1) {
+    tile_dots_t<1>(a, lda, rows, keys, dim, s, lds);
+  } else if (rows == 2) {
+    tile_dots_t<2>(a, lda, rows, keys, dim, s, lds);
+  } else {
+    tile_dots_t<kDecodeRowTile>(a, lda, rows, keys, dim, s, lds);
+  }
+}
+
+// c[r] += sum over j < count of p[r * ldp + j] * values[j], for r < rows (a multiple of R), over dim elements (a
+// multiple of V vectors): register tiles of R rows x V vectors, each value vector loaded once for R rows.
+template <int64_t R, int64_t V, class Acc>
+FT_KERNEL_INLINE void tile_accumulate_t(const Acc* p, int64_t ldp, int64_t rows, const Acc* const* values,
+                                        int64_t count, Acc* c, int64_t ldc, int64_t dim) {
+  constexpr int64_t kLanesPer = kDecodeTileKeys<Acc>;
+  for (int64_t r0 = 0; r0 < rows; r0 += R) {
+    for (int64_t c0 = 0; c0 < dim; c0 += V * kLanesPer) {
+      VectorOf<Acc> tile[R][V];
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t n = 0; n < V; ++n) tile[r][n] = load_lanes(c + (r0 + r) * ldc + c0 + n * kLanesPer);
+      }
+      for (int64_t j = 0; j < count; ++j) {
+        VectorOf<Acc> line[V];
+        for (int64_t n = 0; n < V; ++n) line[n] = load_lanes(values[j] + c0 + n * kLanesPer);
+        for (int64_t r = 0; r < R; ++r) {
+          const Acc x = p[(r0 + r) * ldp + j];
+          for (int64_t n = 0; n < V; ++n) tile[r][n] += x * line[n];
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t n = 0; n < V; ++n) store_lanes(c + (r0 + r) * ldc + c0 + n * kLanesPer, tile[r][n]);
+      }
+    }
+  }
+}
+
+constexpr int64_t kDecodeWideVectors = 4;  // vectors of a register tile's row where the head dim allows
+
+template <int64_t R, class Acc>
+FT_KERNEL_INLINE void tile_accumulate_rows(const Acc* p, int64_t ldp, int64_t rows, const Acc* const* values,
+                                           int64_t count, Acc* c, int64_t ldc, int64_t dim) {
+  if (dim % (kDecodeWideVectors * kDecodeTileKeys<Acc>) == 0) {
+    tile_accumulate_t<R, kDecodeWideVectors>(p, ldp, rows, values, count, c, ldc, dim);
+  } else {
+    tile_accumulate_t<R, 1>(p, ldp, rows, values, count, c, ldc, dim);
+  }
+}
+
+// tile_accumulate_t for `rows` as decode_rows_padded gives them.
+template <class Acc>
+FT_KERNEL_INLINE void tile_accumulate(const Acc* p, int64_t ldp, int64_t rows, const Acc* const* values,
+                                      int64_t count, Acc* c, int64_t ldc, int64_t dim) {
+  if (rows == 1) {
+    tile_accumulate_rows<1>(p, ldp, rows, values, count, c, ldc, dim);
+  } else if (rows == 2) {
+    tile_accumulate_rows<2>(p, ldp, rows, values, count, c, ldc, dim);
+  } else {
+    tile_accumulate_rows<kDecodeRowTile>(p, ldp, rows, values, count, c, ldc, dim);
+  }
+}
+
+// out_j = factor * (sum over r < rows of a[r * lda + j] * b_r) for the tile's keys j < count, over dim elements
+// (a multiple of V vectors), written as In to out + j * ld_out, its first out_dim elements: a key's gradient from
+// all the rows of its (batch, kv head), stored as it is made. Register tiles of R keys x V vectors.
+template <int64_t R, int64_t V, class In, class Acc>
+FT_KERNEL_INLINE void tile_outer_t(const Acc* a, int64_t lda, int64_t rows, const Acc* b, int64_t ldb, int64_t count,
+                                   int64_t dim, Acc factor, In* out, int64_t ld_out, int64_t out_dim) {
+  constexpr int64_t kLanesPer = kDecodeTileKeys<Acc>, kWidth = V * kLanesPer;
+  for (int64_t j0 = 0; j0 < count; j0 += R) {
+    for (int64_t c0 = 0; c0 < dim; c0 += kWidth) {
+      VectorOf<Acc> tile[R][V] = {};
+      for (int64_t r = 0; r < rows; ++r) {
+        VectorOf<Acc> line[V];
+        for (int64_t n = 0; n < V; ++n) line[n] = load_lanes(b + r * ldb + c0 + n * kLanesPer);
+        for (int64_t j = 0; j < R; ++j) {
+          const Acc x = a[r * lda + j0 + j];
+          for (int64_t n = 0; n < V; ++n) tile[j][n] += x * line[n];
+        }
+      }
+      if constexpr (std::is_same_v<In, Acc>) {
+        if (j0 + R <= count && c0 + kWidth <= out_dim) {  // whole: stored from the registers
+          for (int64_t j = 0; j < R; ++j) {
+            for (int64_t n = 0; n < V; ++n) {
+              store_lanes(out + (j0 + j) * ld_out + c0 + n * kLanesPer, tile[j][n] * factor);
+            }
+          }
+          continue;
+        }
+      }
+      Acc staged[R][kWidth];  // converted, or cut at the last key or element
+      for (int64_t j = 0; j < R; ++j) {
+        for (int64_t n = 0; n < V; ++n) store_lanes(staged[j] + n * kLanesPer, tile[j][n] * factor);
+      }
+      for (int64_t j = 0; j < std::min(R, count - j0); ++j) {
+        In* to = out + (j0 + j) * ld_out + c0;
+        for (int64_t e = 0; e < std::min(kWidth, out_dim - c0); ++e) to[e] = static_cast<In>(staged[j][e]);
+      }
+    }
+  }
+}
+
+template <class In, class Acc>
+FT_KERNEL_INLINE void tile_outer(const Acc* a, int64_t lda, int64_t rows, const Acc* b, int64_t ldb, int64_t count,
+                                 int64_t dim, Acc factor, In* out, int64_t ld_out, int64_t out_dim) {
+  if (dim % (kDecodeWideVectors * kDecodeTileKeys<Acc>) == 0) {
+    tile_outer_t<kDecodeRowTile, kDecodeWideVectors>(a, lda, rows, b, ldb, count, dim, factor, out, ld_out, out_dim);
+  } else {
+    tile_outer_t<kDecodeRowTile, 1>(a, lda, rows, b, ldb, count, dim, factor, out, ld_out, out_dim);
+  }
+}
+
+// Ask for keys [first, first + count) of x's (batch, kv head) ahead of their use, every cache line of each
+// vector, into L2 (kPrefetchLocality: prefetcht1 on x86), kPrefetchTiles tiles before the tile that reads them:
+// consecutive keys of a head lie heads_kv x head_dim elements apart, often a page or more, where the hardware's
+// prefetchers stop. Into L1, or one tile ahead, measured slower on long streams (notes.md, "The decode path").
+constexpr int64_t kCacheLine = 64;
+constexpr int kPrefetchLocality = 2;
+constexpr int64_t kPrefetchTiles = 4;
+
+template <class In>
+FT_KERNEL_INLINE void prefetch_keys(const Shape& p, const Operand<In>& x, int64_t b, int64_t hk, int64_t first,
+                                    int64_t count) {
+  if (x.sd != 1) return;
+  for (int64_t j = 0; j < count; ++j) {
+    const char* at = reinterpret_cast<const char*>(x.at(b, first + j, hk));
+    for (int64_t offset = 0; offset < p.dim * static_cast<int64_t>(sizeof(In)); offset += kCacheLine) {
+      __builtin_prefetch(at + offset, 0, kPrefetchLocality);
+    }
+  }
+}
+
+// Up to one tile of K or V vectors, keys [first, first + count) of one (batch, kv head), as the products read
+// them: in place where the operand holds Acc along a unit stride and its head dim needs no padding, else
+// converted into the tile's buffer (its padding zero); past `count`, and in place of any vector `hide_nonfinite`
+// finds a NaN or Inf in, a vector of zeros.
+template <class In, class Acc>
+struct DecodeTile {
+  static constexpr int64_t kKeys = kDecodeTileKeys<Acc>;
+  std::vector<Acc> buffer, zeros;
+  const Acc* rows[kKeys];
+
+  explicit DecodeTile(const Shape& p) : buffer(kKeys * p.dim_padded), zeros(p.dim_padded) {}
+
+  FT_KERNEL_INLINE void load(const Shape& p, const Operand<In>& x, int64_t b, int64_t hk, int64_t first,
+                             int64_t count) {
+    bool in_place = x.sd == 1 && p.dim == p.dim_padded;
+    if constexpr (!std::is_same_v<In, Acc>) in_place = false;
+    for (int64_t j = 0; j < kKeys; ++j) {
+      if (j >= count) {
+        rows[j] = zeros.data();
+      } else if constexpr (std::is_same_v<In, Acc>) {
+        if (in_place) {
+          rows[j] = x.at(b, first + j, hk);
+          continue;
+        }
+        load_vector(x.at(b, first + j, hk), x.sd, p.dim, buffer.data() + j * p.dim_padded);
+        rows[j] = buffer.data() + j * p.dim_padded;
+      } else {
+        load_vector(x.at(b, first + j, hk), x.sd, p.dim, buffer.data() + j * p.dim_padded);
+        rows[j] = buffer.data() + j * p.dim_padded;
+      }
+    }
+  }
+
+  FT_KERNEL_INLINE void hide_nonfinite(int64_t dim) {
+    for (int64_t j = 0; j < kKeys; ++j) {
+      if (!finite_values_t(rows[j], dim)) rows[j] = zeros.data();
+    }
+  }
+};
+
+// One row's step of the online softmax over a block of base-2 scores s[0, width) (width a multiple of kLanes), of
+// which the row sees the first `visible`: the running max rises to the block's, the scores become weights
+// exp2(s - max) (0 past `visible`), and the running sum moves on; returns the factor by which the row's output
+// so far must be scaled. A NaN score leaves the max alone and makes the sum NaN; while every score is -inf, the
+// weights are 0 (the max stands in as 0), and a row whose scores are all -inf ends with sum 0 (LSE and output
+// NaN), as on the small-problem path.
+template <class Acc>
+FT_KERNEL_INLINE Acc online_softmax_row_t(Acc* s, int64_t visible, int64_t width, Acc& running_max,
+                                          Acc& running_sum) {
+  constexpr Acc kMinusInf = -std::numeric_limits<Acc>::infinity();
+  Acc lanes[kLanes];
+  for (int64_t t = 0; t < kLanes; ++t) lanes[t] = kMinusInf;
+  for (int64_t j0 = 0; j0 < width; j0 += kLanes) {
+    for (int64_t t = 0; t < kLanes; ++t) {
+      const Acc x = j0 + t < visible ? s[j0 + t] : kMinusInf;
+      lanes[t] = lanes[t] < x ? x : lanes[t];
+    }
+  }
+  Acc largest = running_max;
+  for (int64_t t = 0; t < kLanes; ++t) largest = largest < lanes[t] ? lanes[t] : largest;
+  const Acc shift = largest == kMinusInf ? Acc(0) : largest;
+  for (int64_t t = 0; t < kLanes; ++t) lanes[t] = 0;
+  for (int64_t j0 = 0; j0 < width; j0 += kLanes) {
+    for (int64_t t = 0; t < kLanes; ++t) {
+      const Acc p = j0 + t < visible ? exp2_of(s[j0 + t] - shift) : Acc(0);
+      s[j0 + t] = p;
+      lanes[t] += p;
+    }
+  }
+  Acc total = 0;
+  for (int64_t t = 0; t < kLanes; ++t) total += lanes[t];
+  const Acc factor = exp2_of(running_max - shift);
+  running_sum = running_sum * factor + total;
+  running_max = largest;
+  return factor;
+}
+
+// A row's out and LSE from its running max, sum and output (not yet divided by the sum): 0 and -inf where the
+// row sees no key; a non-finite LSE (a NaN or Inf read through q or k) is NaN; an output with any non-finite
+// element (the same, or a NaN or Inf value vector the row sees) is NaN whole.
+template <class In, class Acc>
+FT_KERNEL_INLINE void decode_finish_row(const Acc* o_row, Acc largest, Acc total, int64_t visible, int64_t dim,
+                                        In* out, float& lse) {
+  if (visible == 0) {
+    std::fill(out, out + dim, static_cast<In>(0));
+    lse = -std::numeric_limits<float>::infinity();
+    return;
+  }
+  const Acc base2 = largest + std::log2(total);
+  lse = std::isfinite(base2) ? static_cast<float>(base2 * kLn2) : std::numeric_limits<float>::quiet_NaN();
+  const Acc inverse = Acc(1) / total;
+  bool finite = true;
+  for (int64_t e = 0; e < dim; ++e) {
+    const Acc x = o_row[e] * inverse;
+    finite &= std::isfinite(x);
+    out[e] = static_cast<In>(x);
+  }
+  if (!finite) std::fill(out, out + dim, static_cast<In>(std::numeric_limits<float>::quiet_NaN()));
+}
+
+// Keys per block of the forward's online softmax: the block's scores for all rows stay in cache, and the
+// output's rescaling is paid once a block.
+constexpr int64_t kDecodeBlockKeys = 256;
+
+// The decode path's work: units of (batch, kv head, key part), parts units per pair; each part's keys
+// [part * part_keys, ...). A part's partial result (parts > 1) is, per row, max, sum and output: kPartialHead +
+// dim_padded values.
+constexpr int64_t kPartialHead = 2;
+
+template <class In, class Acc>
+struct DecodeForwardWork {
+  const Shape& p;
+  const Operand<In>& q;
+  const Operand<In>& k;
+  const Operand<In>& v;
+  int64_t parts, part_keys;
+  In* out_data;
+  float* lse_data;
+  Acc* partials;
+  Acc q_factor;
+};
+
+// Row r of a (batch, kv head): query head hk * group + r / seqlen_q, query r % seqlen_q.
+inline int64_t decode_head(const Shape& p, int64_t hk, int64_t r) { return hk * p.group + r / p.seqlen_q; }
+inline int64_t decode_query(const Shape& p, int64_t r) { return r % p.seqlen_q; }
+
+template <class In, class Acc>
+FT_KERNEL_INLINE void decode_forward_items_t(const DecodeForwardWork<In, Acc>& w, int64_t first, int64_t last) {
+  constexpr int64_t kKeys = kDecodeTileKeys<Acc>;
+  const Shape& p = w.p;
+  const int64_t rows = p.group * p.seqlen_q, rows_padded = decode_rows_padded(rows), dim = p.dim_padded;
+  DecodeTile<In, Acc> tile(p);
+  std::vector<Acc> q_rows(rows_padded * dim), o_rows(rows_padded * dim), scores(rows_padded * kDecodeBlockKeys),
+      largest(rows_padded), total(rows_padded);
+  std::vector<int64_t> visible(rows_padded), seen(rows_padded);
+  for (int64_t item = first; item < last; ++item) {
+    const int64_t pair = item / w.parts, part = item % w.parts, b = pair / p.heads_kv, hk = pair % p.heads_kv;
+    const int64_t key_begin = part * w.part_keys, key_end = std::min(p.seqlen_k, key_begin + w.part_keys);
+    for (int64_t r = 0; r < rows_padded; ++r) {
+      Acc* line = q_rows.data() + r * dim;
+      visible[r] = r < rows ? p.visible(decode_query(p, r)) : 0;
+      if (r < rows) load_vector(w.q.at(b, decode_query(p, r), decode_head(p, hk, r)), w.q.sd, p.dim, line);
+      for (int64_t e = 0; e < dim; ++e) line[e] = r < rows && e < p.dim ? line[e] * w.q_factor : Acc(0);
+    }
+    std::fill(largest.begin(), largest.end(), -std::numeric_limits<Acc>::infinity());
+    std::fill(total.begin(), total.end(), Acc(0));
+    std::fill(o_rows.begin(), o_rows.end(), Acc(0));
+    for (int64_t j0 = key_begin; j0 < key_end; j0 += kDecodeBlockKeys) {
+      const int64_t keys = std::min(kDecodeBlockKeys, key_end - j0);
+      for (int64_t t0 = 0; t0 < keys; t0 += kKeys) {
+        const int64_t next = j0 + t0 + kPrefetchTiles * kKeys;
+        prefetch_keys(p, w.k, b, hk, next, std::clamp<int64_t>(key_end - next, 0, kKeys));
+        prefetch_keys(p, w.v, b, hk, next, std::clamp<int64_t>(key_end - next, 0, kKeys));
+        tile.load(p, w.k, b, hk, j0 + t0, std::min(kKeys, keys - t0));
+        tile_dots(q_rows.data(), dim, rows_padded, tile.rows, dim, scores.data() + t0, kDecodeBlockKeys);
+      }
+      int64_t common = keys, widest = 0;  // keys every row sees, keys some row sees
+      for (int64_t r = 0; r < rows_padded; ++r) {
+        seen[r] = std::clamp<int64_t>(visible[r] - j0, 0, keys);
+        if (r < rows) common = std::min(common, seen[r]), widest = std::max(widest, seen[r]);
+        Acc* line = o_rows.data() + r * dim;
+        const Acc factor = online_softmax_row_t(scores.data() + r * kDecodeBlockKeys, seen[r], padded(keys, kLanes),
+                                                largest[r], total[r]);
+        for (int64_t e = 0; e < dim; ++e) line[e] *= factor;
+      }
+      // P V: over the keys every row sees, one product for all rows; past them (causal, several queries), each
+      // row up to its own last key, so that no row multiplies a value vector it does not see.
+      for (int64_t t0 = 0; t0 < widest; t0 += kKeys) {
+        const int64_t count = std::min(kKeys, widest - t0), shared = std::clamp<int64_t>(common - t0, 0, count);
+        tile.load(p, w.v, b, hk, j0 + t0, count);
+        if (shared) {
+          tile_accumulate(scores.data() + t0, kDecodeBlockKeys, rows_padded, tile.rows, shared, o_rows.data(), dim,
+                          dim);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          Acc* line = o_rows.data() + r * dim;
+          for (int64_t j = shared; j < std::min(count, seen[r] - t0); ++j) {
+            const Acc weight = scores[r * kDecodeBlockKeys + t0 + j];
+            for (int64_t e = 0; e < dim; ++e) line[e] += weight * tile.rows[j][e];
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const Acc* line = o_rows.data() + r * dim;
+      if (w.parts == 1) {
+        const int64_t h = decode_head(p, hk, r), i = decode_query(p, r);
+        decode_finish_row(line, largest[r], total[r], visible[r], p.dim,
+                          w.out_data + ((b * p.seqlen_q + i) * p.heads_q + h) * p.dim,
+                          w.lse_data[(b * p.heads_q + h) * p.seqlen_q + i]);
+        continue;
+      }
+      Acc* partial = w.partials + (item * rows + r) * (kPartialHead + dim);
+      partial[0] = largest[r];
+      partial[1] = total[r];
+      std::copy(line, line + dim, partial + kPartialHead);
+    }
+  }
+}
+
+// The parts of pairs [first, last) merged: the largest max, and each part's sum and output scaled by 2^(its max -
+// that), as the online softmax scales its blocks.
+template <class In, class Acc>
+FT_KERNEL_INLINE void decode_merge_items_t(const DecodeForwardWork<In, Acc>& w, int64_t first, int64_t last) {
+  const Shape& p = w.p;
+  const int64_t rows = p.group * p.seqlen_q, dim = p.dim_padded, stride = kPartialHead + dim;
+  std::vector<Acc> line(dim);
+  for (int64_t pair = first; pair < last; ++pair) {
+    const int64_t b = pair / p.heads_kv, hk = pair % p.heads_kv;
+    for (int64_t r = 0; r < rows; ++r) {
+      const Acc* part0 = w.partials + (pair * w.parts * rows + r) * stride;
+      Acc largest = -std::numeric_limits<Acc>::infinity();
+      for (int64_t c = 0; c < w.parts; ++c) largest = std::max(largest, part0[c * rows * stride]);
+      const Acc shift = largest == -std::numeric_limits<Acc>::infinity() ? Acc(0) : largest;
+      Acc total = 0;
+      std::fill(line.begin(), line.end(), Acc(0));
+      for (int64_t c = 0; c < w.parts; ++c) {
+        const Acc* partial = part0 + c * rows * stride;
+        const Acc weight = exp2_of(partial[0] - shift);
+        total += weight * partial[1];
+        for (int64_t e = 0; e < dim; ++e) line[e] += weight * partial[kPartialHead + e];
+      }
+      const int64_t h = decode_head(p, hk, r), i = decode_query(p, r);
+      decode_finish_row(line.data(), largest, total, p.visible(i), p.dim,
+                        w.out_data + ((b * p.seqlen_q + i) * p.heads_q + h) * p.dim,
+                        w.lse_data[(b * p.heads_q + h) * p.seqlen_q + i]);
+    }
+  }
+}
+
+template <class In, class Acc>
+struct DecodeBackwardWork {
+  const Shape& p;
+  const Operand<In>& q;
+  const Operand<In>& k;
+  const Operand<In>& v;
+  const Operand<In>& dout;
+  const Operand<In>& out;
+  const RowValues& lse;
+  const RowValues& dlse;
+  bool with_dlse;
+  int64_t parts, part_keys;
+  In* dq_data;
+  In* dk_data;
+  In* dv_data;
+  Acc* partials;  // parts > 1: per unit, per row, its part of dq (dim_padded values)
+  Acc q_factor, grad_scale;
+};
+
+// The backward of a unit, tile by tile of keys: P = exp2(S - lse) and dS = P (dO V^T - D) for all rows, then the
+// tile's dV = P^T dO and dK = dS^T Q whole (every row of the pair is here: they are final), and dQ += dS K.
+template <class In, class Acc>
+FT_KERNEL_INLINE void decode_backward_items_t(const DecodeBackwardWork<In, Acc>& w, int64_t first, int64_t last) {
+  constexpr int64_t kKeys = kDecodeTileKeys<Acc>;
+  const Shape& p = w.p;
+  const int64_t rows = p.group * p.seqlen_q, rows_padded = decode_rows_padded(rows), dim = p.dim_padded;
+  const Acc log2e = static_cast<Acc>(kLog2e), inf = std::numeric_limits<Acc>::infinity();
+  DecodeTile<In, Acc> k_tile(p), v_tile(p);
+  std::vector<Acc> q_rows(rows_padded * dim), q_finite(rows_padded * dim), dout_rows(rows_padded * dim),
+      dq_rows(rows_padded * dim), out_line(dim), weights(rows_padded * kKeys), grads(rows_padded * kKeys),
+      lse2(rows_padded), delta(rows_padded);
+  std::vector<int64_t> visible(rows_padded), seen(rows_padded);
+  for (int64_t item = first; item < last; ++item) {
+    const int64_t pair = item / w.parts, part = item % w.parts, b = pair / p.heads_kv, hk = pair % p.heads_kv;
+    const int64_t key_begin = part * w.part_keys, key_end = std::min(p.seqlen_k, key_begin + w.part_keys);
+    for (int64_t r = 0; r < rows_padded; ++r) {
+      Acc* q_line = q_rows.data() + r * dim;
+      Acc* q_finite_line = q_finite.data() + r * dim;
+      Acc* dout_line = dout_rows.data() + r * dim;
+      if (r >= rows) {  // padding: no key, no gradient
+        std::fill(q_line, q_line + dim, Acc(0));
+        std::fill(q_finite_line, q_finite_line + dim, Acc(0));
+        std::fill(dout_line, dout_line + dim, Acc(0));
+        visible[r] = 0, lse2[r] = inf, delta[r] = 0;
+        continue;
+      }
+      const int64_t h = decode_head(p, hk, r), i = decode_query(p, r);
+      visible[r] = p.visible(i);
+      load_vector(w.q.at(b, i, h), w.q.sd, p.dim, q_finite_line);
+      for (int64_t e = 0; e < p.dim; ++e) q_line[e] = q_finite_line[e] * w.q_factor;
+      load_vector(w.dout.at(b, i, h), w.dout.sd, p.dim, dout_line);
+      load_vector(w.out.at(b, i, h), w.out.sd, p.dim, out_line.data());
+      Acc d = row_dot_t(dout_line, out_line.data(), dim);
+      if (w.with_dlse) d -= w.dlse.template at<Acc>(b, h, i);
+      delta[r] = d;
+      const Acc row_lse = w.lse.template at<Acc>(b, h, i);
+      lse2[r] = row_lse == -inf ? inf : row_lse * log2e;  // a row that sees no key: every weight 0
+    }
+    zero_nonfinite_rows(q_finite.data(), q_finite.data(), dim, rows, p.dim);
+    std::fill(dq_rows.begin(), dq_rows.end(), Acc(0));
+    for (int64_t t0 = key_begin; t0 < key_end; t0 += kKeys) {
+      const int64_t count = std::min(kKeys, key_end - t0);
+      const int64_t next = t0 + kPrefetchTiles * kKeys, next_count = std::clamp<int64_t>(key_end - next, 0, kKeys);
+      prefetch_keys(p, w.k, b, hk, next, next_count);
+      prefetch_keys(p, w.v, b, hk, next, next_count);
+      k_tile.load(p, w.k, b, hk, t0, count);
+      v_tile.load(p, w.v, b, hk, t0, count);
+      tile_dots(q_rows.data(), dim, rows_padded, k_tile.rows, dim, weights.data(), kKeys);
+      // A key vector with a NaN or Inf makes its scores NaN or Inf in every row (padding rows included), so clean
+      // scores clear the whole tile at once.
+      const bool k_finite = finite_values_t(weights.data(), rows_padded * kKeys);
+      tile_dots(dout_rows.data(), dim, rows_padded, v_tile.rows, dim, grads.data(), kKeys);
+      for (int64_t r = 0; r < rows_padded; ++r) seen[r] = std::clamp<int64_t>(visible[r] - t0, 0, count);
+      gradient_block_t(weights.data(), grads.data(), kKeys, rows_padded, lse2.data(), delta.data(), seen.data(),
+                       kKeys);
+      const int64_t first_line = (b * p.seqlen_k + t0) * p.heads_kv + hk, ld_lines = p.heads_kv * p.dim;
+      tile_outer(weights.data(), kKeys, rows, dout_rows.data(), dim, count, dim, Acc(1),
+                 w.dv_data + first_line * p.dim, ld_lines, p.dim);
+      tile_outer(grads.data(), kKeys, rows, q_finite.data(), dim, count, dim, w.grad_scale,
+                 w.dk_data + first_line * p.dim, ld_lines, p.dim);
+      if (!k_finite) k_tile.hide_nonfinite(dim);
+      tile_accumulate(grads.data(), kKeys, rows_padded, k_tile.rows, count, dq_rows.data(), dim, dim);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const Acc* line = dq_rows.data() + r * dim;
+      if (w.parts == 1) {
+        In* dq_line = w.dq_data + ((b * p.seqlen_q + decode_query(p, r)) * p.heads_q + decode_head(p, hk, r)) * p.dim;
+        for (int64_t e = 0; e < p.dim; ++e) dq_line[e] = static_cast<In>(line[e] * w.grad_scale);
+        continue;
+      }
+      std::copy(line, line + dim, w.partials + (item * rows + r) * dim);
+    }
+  }
+}
+
+// dq of pairs [first, last): the sum of their parts'.
+template <class In, class Acc>
+FT_KERNEL_INLINE void decode_backward_merge_t(const DecodeBackwardWork<In, Acc>& w, int64_t first, int64_t last) {
+  const Shape& p = w.p;
+  const int64_t rows = p.group * p.seqlen_q, dim = p.dim_padded;
+  for (int64_t pair = first; pair < last; ++pair) {
+    const int64_t b = pair / p.heads_kv, hk = pair % p.heads_kv;
+    for (int64_t r = 0; r < rows; ++r) {
+      In* dq_line = w.dq_data + ((b * p.seqlen_q + decode_query(p, r)) * p.heads_q + decode_head(p, hk, r)) * p.dim;
+      for (int64_t e = 0; e < p.dim; ++e) {
+        Acc sum = 0;
+        for (int64_t c = 0; c < w.parts; ++c) sum += w.partials[((pair * w.parts + c) * rows + r) * dim + e];
+        dq_line[e] = static_cast<In>(sum * w.grad_scale);
+      }
+    }
+  }
+}
+
+// The work for each input type, cloned for the machine like the products; fp64's too (the small-problem path's
+// is not: it serves gradcheck's sizes), since decoding in fp64 built for the baseline machine ran well behind
+// torch's kernel (notes.md, "The decode path").
+#define FT_DECODE_CLONES(Work, name)                                                                              \
+  FT_CPU_CLONES FT_KERNEL_OPTIONS static void name(const Work<float, float>& w, int64_t first, int64_t last) {    \
+    name##_t(w, first, last);                                                                                      \
+  }                                                                                                                \
+  FT_CPU_CLONES FT_KERNEL_OPTIONS static void name(const Work<c10::BFloat16, float>& w, int64_t first,             \
+                                                   int64_t last) {                                                 \
+    name##_t(w, first, last);                                                                                      \
+  }                                                                                                                \
+  FT_CPU_CLONES FT_KERNEL_OPTIONS static void name(const Work<c10::Half, float>& w, int64_t first, int64_t last) { \
+    name##_t(w, first, last);                                                                                      \
+  }                                                                                                                \
+  FT_CPU_CLONES FT_KERNEL_OPTIONS static void name(const Work<double, double>& w, int64_t first, int64_t last) {  \
+    name##_t(w, first, last);                                                                                      \
+  }
+FT_DECODE_CLONES(DecodeForwardWork, decode_forward_items)
+FT_DECODE_CLONES(DecodeForwardWork, decode_merge_items)
+FT_DECODE_CLONES(DecodeBackwardWork, decode_backward_items)
+FT_DECODE_CLONES(DecodeBackwardWork, decode_backward_merge)
+#undef FT_DECODE_CLONES
+
+// Key parts per (batch, kv head): one where the pairs alone give every thread kDecodeUnitsPerThread units, else
+// as many as that takes, each at least kDecodeMinPartKeys keys (below that, the merge and the threads' wake-up
+// cost more than the split saves).
+constexpr int64_t kDecodeUnitsPerThread = 2;
+constexpr int64_t kDecodeMinPartKeys = 512;
+
+struct DecodeSplit {
+  int64_t parts, part_keys;
+};
+
+DecodeSplit decode_split(const Shape& p) {
+  const int64_t pairs = p.batch * p.heads_kv, wanted = kDecodeUnitsPerThread * at::get_num_threads();
+  const int64_t most = std::max<int64_t>(1, p.seqlen_k / kDecodeMinPartKeys);
+  const int64_t parts = std::clamp<int64_t>((wanted + pairs - 1) / pairs, 1, most);
+  return {parts, padded((p.seqlen_k + parts - 1) / parts, kPad)};
+}
+
+template <class In, class Acc>
+FT_KERNEL_OPTIONS void decode_forward_typed(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                                            double scale, bool causal, at::Tensor& out, at::Tensor& lse) {
+  const Shape p(q_, k_, causal);
+  const Operand<In> q(q_), k(k_), v(v_);
+  const DecodeSplit split = decode_split(p);
+  const int64_t rows = p.group * p.seqlen_q, pairs = p.batch * p.heads_kv, units = pairs * split.parts;
+  std::vector<Acc> partials(split.parts > 1 ? units * rows * (kPartialHead + p.dim_padded) : 0);
+  const DecodeForwardWork<In, Acc> work{p, q, k, v, split.parts, split.part_keys, out.data_ptr<In>(),
+                                        lse.data_ptr<float>(), partials.data(), static_cast<Acc>(scale * kLog2e)};
+  const int64_t unit_work = std::max<int64_t>(1, rows * split.part_keys * p.dim * 2);
+  at::parallel_for(0, units, std::max<int64_t>(1, kParallelWork / unit_work),
+                   [&](int64_t first, int64_t last) { decode_forward_items(work, first, last); });
+  if (split.parts > 1) {
+    at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) { decode_merge_items(work, first, last); });
+  }
+}
+
+template <class In, class Acc>
+FT_KERNEL_OPTIONS void decode_backward_typed(const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_,
+                                             const at::Tensor& v_, const at::Tensor& out_, const at::Tensor& lse_,
+                                             const at::Tensor& dlse_, double scale, bool causal, at::Tensor& dq,
+                                             at::Tensor& dk, at::Tensor& dv) {
+  const Shape p(q_, k_, causal);
+  const Operand<In> q(q_), k(k_), v(v_), dout(dout_), out(out_);
+  const RowValues lse(lse_), dlse(dlse_);
+  const DecodeSplit split = decode_split(p);
+  const int64_t rows = p.group * p.seqlen_q, pairs = p.batch * p.heads_kv, units = pairs * split.parts;
+  std::vector<Acc> partials(split.parts > 1 ? units * rows * p.dim_padded : 0);
+  const DecodeBackwardWork<In, Acc> work{p,
+                                         q,
+                                         k,
+                                         v,
+                                         dout,
+                                         out,
+                                         lse,
+                                         dlse,
+                                         dlse_.defined(),
+                                         split.parts,
+                                         split.part_keys,
+                                         dq.data_ptr<In>(),
+                                         dk.data_ptr<In>(),
+                                         dv.data_ptr<In>(),
+                                         partials.data(),
+                                         static_cast<Acc>(scale * kLog2e),
+                                         static_cast<Acc>(scale)};
+  const int64_t unit_work = std::max<int64_t>(1, rows * split.part_keys * p.dim * 4);
+  at::parallel_for(0, units, std::max<int64_t>(1, kParallelWork / unit_work),
+                   [&](int64_t first, int64_t last) { decode_backward_items(work, first, last); });
+  if (split.parts > 1) {
+    at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) { decode_backward_merge(work, first, last); });
+  }
+}
+
+// Problems the own kernel takes (own_operands): head_dim_v == head_dim (the caller's cpu_kernel.serves checked it,
+// with no softcap, ALiBi or window), the four float types, GQA. Its small-problem path takes them where it
+// measured faster than torch's kernel (notes.md, "CPU small shapes (session sixteen)"): at most kOwnWork
+// multiply-adds per (batch, query head) and kOwnSeqlen keys; at least kOwnMinQueries queries, over which each
+// head's copy of its keys and values is spread; and at most kOwnKeyValues elements of K (batch x seqlen_k x
+// heads_kv x head_dim), past which those copies stream from memory (b8 h32 q16 k128 d128 ran at 0.73x torch's
+// kernel).
 constexpr int64_t kOwnWork = int64_t{1} << 20;
 constexpr int64_t kOwnSeqlen = 256;
 constexpr int64_t kOwnMinQueries = 4;
 constexpr int64_t kOwnKeyValues = int64_t{1} << 20;
 
-bool own_kernel_serves(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+// The decode path takes what the small-problem path leaves, any number of keys, where it measured faster than
+// torch's kernel (notes.md, "The decode path"): at most kDecodeQueries queries, past which torch's kernel, whose
+// products take a block of queries of one head at a time, gains on it (here a GQA group's heads share each read
+// of K and V instead); and at most kDecodeRows query rows per (batch, kv head) (group x seqlen_q), the most
+// measured, whose block of scores (kDecodeRows x kDecodeBlockKeys) stays within L2.
+constexpr int64_t kDecodeQueries = 16;
+constexpr int64_t kDecodeRows = 256;
+
+bool own_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const auto type = q.scalar_type();
   if (type != at::kFloat && type != at::kDouble && type != at::kBFloat16 && type != at::kHalf) return false;
   if (k.scalar_type() != type || v.scalar_type() != type || q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return false;
-  if (q.size(3) != v.size(3) || q.size(3) != k.size(3) || k.size(2) == 0 || q.size(2) % k.size(2)) return false;
-  return k.size(1) <= kOwnSeqlen && q.size(1) >= kOwnMinQueries && q.size(1) * k.size(1) * q.size(3) <= kOwnWork &&
+  return q.size(3) == v.size(3) && q.size(3) == k.size(3) && k.size(2) > 0 && q.size(2) % k.size(2) == 0;
+}
+
+bool own_small_serves(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return own_operands(q, k, v) && k.size(1) <= kOwnSeqlen && q.size(1) >= kOwnMinQueries &&
+         q.size(1) * k.size(1) * q.size(3) <= kOwnWork &&
          k.size(0) * k.size(1) * k.size(2) * k.size(3) <= kOwnKeyValues;
+}
+
+bool own_decode_serves(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return own_operands(q, k, v) && !own_small_serves(q, k, v) && q.size(1) <= kDecodeQueries &&
+         q.size(2) / k.size(2) * q.size(1) <= kDecodeRows;
+}
+
+bool own_kernel_serves(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return own_small_serves(q, k, v) || own_decode_serves(q, k, v);
 }
 
 #define FT_OWN_DISPATCH(type, call)                                                    \
@@ -1207,7 +1918,13 @@ std::tuple<at::Tensor, at::Tensor> own_forward(const at::Tensor& q, const at::Te
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
   poison({&out, &lse});
-#define FT_OWN_FORWARD(In, Acc) own_forward_typed<In, Acc>(q, k, v, scale, causal, out, lse)
+  const bool small = own_small_serves(q, k, v);
+#define FT_OWN_FORWARD(In, Acc)                                        \
+  if (small) {                                                         \
+    own_forward_typed<In, Acc>(q, k, v, scale, causal, out, lse);      \
+  } else {                                                             \
+    decode_forward_typed<In, Acc>(q, k, v, scale, causal, out, lse);   \
+  }
   FT_OWN_DISPATCH(q.scalar_type(), FT_OWN_FORWARD)
 #undef FT_OWN_FORWARD
   return {out, lse};
@@ -1228,8 +1945,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> own_backward(const at::Tensor& do
   const at::Tensor lse_accum = lse.scalar_type() == at::kDouble ? lse : lse.to(at::kFloat);
   const at::Tensor dlse_accum =
       !dlse.defined() || dlse.scalar_type() == at::kDouble ? dlse : dlse.to(at::kFloat);
-#define FT_OWN_BACKWARD(In, Acc) \
-  own_backward_typed<In, Acc>(dout, q, k, v, out, lse_accum, dlse_accum, scale, causal, dq, dk, dv)
+  const bool small = own_small_serves(q, k, v);
+#define FT_OWN_BACKWARD(In, Acc)                                                                          \
+  if (small) {                                                                                            \
+    own_backward_typed<In, Acc>(dout, q, k, v, out, lse_accum, dlse_accum, scale, causal, dq, dk, dv);    \
+  } else {                                                                                                \
+    decode_backward_typed<In, Acc>(dout, q, k, v, out, lse_accum, dlse_accum, scale, causal, dq, dk, dv); \
+  }
   FT_OWN_DISPATCH(q.scalar_type(), FT_OWN_BACKWARD)
 #undef FT_OWN_BACKWARD
   return {dq, dk, dv};
@@ -1455,6 +2177,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_train", &cpu_train);
   m.def("all_finite", &all_finite);
   m.def("own_kernel_serves", &own_kernel_serves);
+  m.def("own_small_serves", &own_small_serves);
+  m.def("own_decode_serves", &own_decode_serves);
   m.def("own_forward", &own_forward);
   m.def("own_backward", [](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& out, const at::Tensor& lse, std::optional<at::Tensor> dlse, double scale,
