@@ -237,6 +237,36 @@ FUZZ_CASES = 300
 FUZZ_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-5, torch.bfloat16: 3e-2}
 
 
+def _poison(rng, target):
+    """A NaN, +Inf or -Inf in `target` (b, s, h, d): one element, or one whole head vector."""
+    import math
+
+    at = tuple(rng.randrange(n) for n in target.shape[:3])
+    value = rng.choice([math.nan, math.inf, -math.inf])
+    if rng.random() < 0.5:
+        target[at].fill_(value)
+    else:
+        target[at + (rng.randrange(target.shape[3]),)] = value
+
+
+def _assert_cpp_matches_python(q, k, v, causal, g):
+    """The C++ calls and the Python path give the same outputs, LSEs and gradients: NaN exactly where the Python
+    path has NaN, the rest within FUZZ_TOLERANCE."""
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    dout = torch.randn(q.shape, generator=g).to(q.dtype)
+    results = []
+    for path in (contextlib.nullcontext(), host.python_path()):
+        with path:
+            api.clear_calls()
+            out = flashtile.attention(*leaves, causal=causal)
+            with torch.no_grad():
+                lse = flashtile.attention(*leaves, causal=causal, return_lse=True)[1]
+            results.append((out.detach(), lse, *torch.autograd.grad(out, leaves, dout)))
+    for ours, theirs in zip(*results):
+        tolerance = FUZZ_TOLERANCE[q.dtype]
+        torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance, equal_nan=True)
+
+
 @needs_build
 def test_nonfinite_inputs_get_the_python_paths_answer_forward_and_backward(monkeypatch):
     """Seeded random NaN and Inf elements and vectors in q, k or v (shapes, GQA, causal or not, fp32, bf16, fp64):
@@ -244,7 +274,6 @@ def test_nonfinite_inputs_get_the_python_paths_answer_forward_and_backward(monke
     kernel often returns a finite LSE for a row that read a NaN in q, so no check of its outputs can stand in
     for the inputs' check.) These sizes are host.cpp's own kernel's, which reads NaN and Inf by the rules
     itself: NaN exactly where the Python path has NaN, the other values within FUZZ_TOLERANCE."""
-    import math
     import random
 
     monkeypatch.setenv(host.MODE_ENV, "on")
@@ -256,26 +285,8 @@ def test_nonfinite_inputs_get_the_python_paths_answer_forward_and_backward(monke
         g = torch.Generator().manual_seed(rng.randrange(2**31))
         q = torch.randn(batch, seqlen, heads_kv * group, head_dim, generator=g).to(dtype)
         k, v = (torch.randn(batch, seqlen, heads_kv, head_dim, generator=g).to(dtype) for _ in range(2))
-        target = rng.choice([q, k, v])
-        at = tuple(rng.randrange(n) for n in target.shape[:3])
-        value = rng.choice([math.nan, math.inf, -math.inf])
-        if rng.random() < 0.5:
-            target[at].fill_(value)
-        else:
-            target[at + (rng.randrange(head_dim),)] = value
-        leaves = [t.requires_grad_() for t in (q, k, v)]
-        dout = torch.randn(q.shape, generator=g).to(dtype)
-        results = []
-        for path in (contextlib.nullcontext(), host.python_path()):
-            with path:
-                api.clear_calls()
-                out = flashtile.attention(*leaves, causal=causal)
-                with torch.no_grad():
-                    lse = flashtile.attention(*leaves, causal=causal, return_lse=True)[1]
-                results.append((out.detach(), lse, *torch.autograd.grad(out, leaves, dout)))
-        for ours, theirs in zip(*results):
-            tolerance = FUZZ_TOLERANCE[dtype]
-            torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance, equal_nan=True)
+        _poison(rng, rng.choice([q, k, v]))
+        _assert_cpp_matches_python(q, k, v, causal, g)
 
 
 @needs_build
@@ -567,7 +578,6 @@ def test_nonfinite_inputs_on_the_decode_path_get_the_python_paths_answer(monkeyp
     """As the fuzz above, on decoding shapes (one to three queries, up to 32 rows a kv head, keys split in parts
     past 1024): NaN exactly where the Python path's rules put NaN, outputs, LSEs and gradients, the rest within
     FUZZ_TOLERANCE."""
-    import math
     import random
 
     monkeypatch.setenv(host.MODE_ENV, "on")
@@ -582,26 +592,8 @@ def test_nonfinite_inputs_on_the_decode_path_get_the_python_paths_answer(monkeyp
         k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=g).to(dtype) for _ in range(2))
         assert module.own_decode_serves(q, k, v)
         for _ in range(rng.choice([1, 2])):
-            target = rng.choice([q, k, v])
-            at = tuple(rng.randrange(n) for n in target.shape[:3])
-            value = rng.choice([math.nan, math.inf, -math.inf])
-            if rng.random() < 0.5:
-                target[at].fill_(value)
-            else:
-                target[at + (rng.randrange(head_dim),)] = value
-        leaves = [t.requires_grad_() for t in (q, k, v)]
-        dout = torch.randn(q.shape, generator=g).to(dtype)
-        results = []
-        for path in (contextlib.nullcontext(), host.python_path()):
-            with path:
-                api.clear_calls()
-                out = flashtile.attention(*leaves, causal=causal)
-                with torch.no_grad():
-                    lse = flashtile.attention(*leaves, causal=causal, return_lse=True)[1]
-                results.append((out.detach(), lse, *torch.autograd.grad(out, leaves, dout)))
-        for ours, theirs in zip(*results):
-            tolerance = FUZZ_TOLERANCE[dtype]
-            torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance, equal_nan=True)
+            _poison(rng, rng.choice([q, k, v]))
+        _assert_cpp_matches_python(q, k, v, causal, g)
 
 
 @needs_build
