@@ -360,11 +360,13 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
                 }
             }
             // The rows' LSE and D through registers: each lane's arrival (a release) publishes its stores.
+            // (The rows' offset worked out again each step, as the varlen tail's above.)
+            const i64 lse_row0 = locate_problem(f, opaque(b), head).lse_offset;
             float lse_rows[kBlockM / kWarpSize], dsum_rows[kBlockM / kWarpSize];
 #pragma unroll
             for (int i = 0; i < kBlockM / kWarpSize; ++i) {
                 const int row = m0 + lane + i * kWarpSize;
-                const i64 at = pr0.lse_offset + (head - h_first) * f.lse_head_stride + row;
+                const i64 at = lse_row0 + row;
                 const bool valid = row < pr0.seqlen_q;
                 lse_rows[i] = valid ? p.lse_log2[at] : 0.f;
                 dsum_rows[i] = valid ? p.dsum[at] : 0.f;
