@@ -97,11 +97,14 @@ __device__ __forceinline__ QueryTiles visited_query_tiles(const AttnParams& f, c
 // A block's K and V tiles (keys [n0, n0 + kBlockN) of the problem), one cp.async each, by every thread.
 // (Templates, here and in QueryRing, so that a kernel whose loads go another way does not instantiate them.)
 template <int kLoadThreads = kThreads>
-__device__ __forceinline__ void load_keys_values(const AttnParams& f, const Problem& pr0, u32 k_smem, u32 v_smem, int n0) {
+__device__ __forceinline__ void load_keys_values(const AttnParams& f, const Problem& pr0, u32 k_smem, u32 v_smem,
+                                                 int n0) {
     TileLoader<kBlockN, kHeadDim, kLoadThreads, kWideBlocks>(static_cast<const elem_t*>(f.k) + pr0.k_offset,
-                                                             f.k_row_stride, f.head_dim).issue(k_smem, n0, pr0.seqlen_k);
+                                                             f.k_row_stride, f.head_dim)
+        .issue(k_smem, n0, pr0.seqlen_k);
     TileLoader<kBlockN, kHeadDimV, kLoadThreads, kWideBlocks>(static_cast<const elem_t*>(f.v) + pr0.v_offset,
-                                                              f.v_row_stride, f.head_dim_v).issue(v_smem, n0, pr0.seqlen_k);
+                                                              f.v_row_stride, f.head_dim_v)
+        .issue(v_smem, n0, pr0.seqlen_k);
 }
 
 // The query ring: each step (one query head of the group, one query tile) brings Q, dO and the rows' LSE (base 2)
