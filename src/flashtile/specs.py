@@ -397,12 +397,12 @@ def launch_registers(threads: int) -> int:
     return min(255, REGISTER_FILE // threads) // REGISTER_STEP * REGISTER_STEP
 
 
-def consumer_registers(consumers: int) -> int:
+def consumer_registers(consumers: int, producer_registers: int = PRODUCER_REGISTERS) -> int:
     """A consumer's registers after setmaxnreg: the block starts with launch_registers each, and the consumers can
     take only what the producer warpgroup gives back (setmaxnreg.inc waits until the block's own registers
     free up, so asking for more hangs the block)."""
     start = launch_registers((1 + consumers) * WARPGROUP_THREADS)
-    freed = (start - PRODUCER_REGISTERS) * WARPGROUP_THREADS
+    freed = (start - producer_registers) * WARPGROUP_THREADS
     return (start + freed // (consumers * WARPGROUP_THREADS)) // REGISTER_STEP * REGISTER_STEP
 
 
@@ -587,13 +587,15 @@ class BwdWgmmaTile:
     stages: int
     why: str
     warps: int = 12  # a producer warpgroup and two consumer warpgroups
+    dq_writer: bool = False  # dQ staged in shared memory and added by the producer warpgroup's second warp
 
 
 BWD_WGMMA_TILES = {
     64: BwdWgmmaTile(128, 128, 2, "keys split, dQ split by rows (64 queries per warpgroup); 163 KB. Faster than "
-                                  "sdpa-flash and bwd.cu"),
+                                  "sdpa-flash and bwd.cu; the dQ writer warp measured slower here (notes.md)"),
     128: BwdWgmmaTile(64, 128, 2, "keys split, dQ split by columns (64 per warpgroup); S^T, dP^T 32 and dK, dV 64 "
-                                  "registers each; 162 KB. Faster than sdpa-flash and bwd.cu"),
+                                  "registers each; dQ by the writer warp; 195 KB. Faster than sdpa-flash and bwd.cu",
+                      dq_writer=True),
     256: BwdWgmmaTile(64, 64, 2, "columns split: 64 keys shared by both warpgroups, each with half of dK, dV and dQ "
                                  "(64 registers each); warpgroup 0 S^T and P^T, warpgroup 1 dP^T and dS^T, both "
                                  "through shared memory; 226 KB. Faster than sdpa-flash and bwd_grid.cu; S^T/dP^T "
@@ -602,6 +604,10 @@ BWD_WGMMA_TILES = {
 # dS^T (and P^T) in two buffers that alternate by step: with no block barrier between steps, one warpgroup may
 # write the next step's while the other still reads this step's.
 BWD_SCORE_BUFFERS = 2
+BWD_DQ_STAGE_PAD = 4  # floats after each staged dQ row (wgmma/bwd.cu kDqStageStride)
+# With the dQ writer the producer warpgroup also issues dQ's reductions: at 24 registers it spilled; at 32 the
+# consumers keep 232, which the d128 build fits. Without it the producer keeps PRODUCER_REGISTERS.
+DQ_WRITER_PRODUCER_REGISTERS = 32
 
 
 def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False) -> BwdWgmmaTile | None:
@@ -615,13 +621,17 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
     m, n, stages = tile.block_m, tile.block_n, tile.stages
     split_columns = n == WGMMA_M  # one key block for both warpgroups: P^T goes through shared memory as well
     score_tiles = BWD_SCORE_BUFFERS * (1 + split_columns) * n * m  # dS^T (and P^T), two steps' worth
-    storage = ((2 * n * d + 2 * stages * m * d + score_tiles) * ELEM_BYTES + 2 * stages * m * 4
+    producer = DQ_WRITER_PRODUCER_REGISTERS if tile.dq_writer else PRODUCER_REGISTERS
+    dq_stage = m * (d + BWD_DQ_STAGE_PAD) * 4 if tile.dq_writer else 0  # fp32 rows, each padded by 16 bytes
+    storage = ((2 * n * d + 2 * stages * m * d + score_tiles) * ELEM_BYTES + 2 * stages * m * 4 + dq_stage
                + (1 + 2 * stages) * MBARRIER_BYTES)
     smem = -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", d), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0),
-               ("FT_WIDE_BLOCKS", 1), ("FT_PRODUCER_REGISTERS", PRODUCER_REGISTERS),
-               ("FT_CONSUMER_REGISTERS", consumer_registers(tile.warps // WARPGROUP_WARPS - 1)), *ROW_DEFINES)
+               ("FT_WIDE_BLOCKS", 1), ("FT_DQ_WRITER", int(tile.dq_writer)),
+               ("FT_PRODUCER_REGISTERS", producer),
+               ("FT_CONSUMER_REGISTERS", consumer_registers(tile.warps // WARPGROUP_WARPS - 1, producer)),
+               *ROW_DEFINES)
     return KernelSpec("wgmma/bwd.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, "sm_90a",
                       defines, smem, kv_maps=KvBox(n, WIDE_BOX_COLS), q_map=KvBox(m, WIDE_BOX_COLS),
                       do_map=KvBox(m, WIDE_BOX_COLS))

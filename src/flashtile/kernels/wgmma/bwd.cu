@@ -46,6 +46,20 @@ constexpr int kConsumerThreads = kWarpgroups * kWarpgroupThreads;
 constexpr int kConsumerWarps = kWarpgroups * kWarpgroupWarps;
 constexpr int kProducerThread = 0;
 constexpr int kConsumerBarrier = 1;  // named barrier of the consumers alone (0 is __syncthreads)
+#ifndef FT_DQ_WRITER
+#define FT_DQ_WRITER 0
+#endif
+// dQ leaves through a writer warp (the producer warpgroup's second): the consumers stage their fp32 pieces in
+// shared memory and the writer adds the tile's rows to the accumulator with bulk reductions; otherwise the
+// consumers add their pieces with atomics. specs.py BWD_WGMMA_TILES says where.
+constexpr bool kDqWriter = FT_DQ_WRITER;
+constexpr int kWriterWarp = 1;
+constexpr int kDqFullBarrier = 2;   // the consumers' pieces are staged (consumers arrive, the writer waits)
+constexpr int kDqEmptyBarrier = 3;  // the writer has read the staged tile (the writer arrives, consumers wait)
+constexpr int kDqHandoffThreads = kConsumerThreads + kWarpSize;
+// A staged row: the head dim plus 16 bytes, so that the 8 rows of a fragment's float2 stores start 4 banks apart
+// and every row stays 16-byte aligned for its bulk reduction.
+constexpr int kDqStageStride = kHeadDim + 4;
 // setmaxnreg: the producer keeps what issuing copies needs, the consumers take the rest of the register file
 // (specs.py, consumer_registers).
 constexpr int kProducerRegisters = FT_PRODUCER_REGISTERS;
@@ -84,7 +98,11 @@ constexpr int kScoreBuffers = 2;
 template <bool kShared> struct ProbabilityTile { elem_t p[kScoreBuffers][DsTile::kElems]; };
 template <> struct ProbabilityTile<false> { static constexpr elem_t (*p)[DsTile::kElems] = nullptr; };
 
-struct __align__(kSwizzleAtomBytes) SharedStorage : ProbabilityTile<!kSplitKeys> {
+// The staged dQ tile, only with the writer warp (the empty base takes no space).
+template <bool kStaged> struct DqStage { float dq_stage[kBlockM * kDqStageStride]; };
+template <> struct DqStage<false> { static constexpr float* dq_stage = nullptr; };
+
+struct __align__(kSwizzleAtomBytes) SharedStorage : ProbabilityTile<!kSplitKeys>, DqStage<kDqWriter> {
     elem_t k[KTile::kElems];     // later the dK tile
     elem_t v[VTile::kElems];     // later the dV tile
     elem_t q[kStages][QTile::kElems];
@@ -181,6 +199,60 @@ __device__ __forceinline__ void copy_rows(u32 tile, const elem_t* matrix, i64 ro
     }
 }
 
+// `x` as the compiler cannot see through: what is computed from it is computed where it stands.
+__device__ __forceinline__ int opaque(int x) {
+    asm volatile("mov.b32 %0, %0;" : "+r"(x));
+    return x;
+}
+
+__device__ __forceinline__ void bulk_reduce_add(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Orders this thread's generic accesses to global memory with the async proxy's (the bulk reductions).
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+// Waits until this thread's bulk operations have read their sources (kReadOnly) or completed.
+template <bool kReadOnly>
+__device__ __forceinline__ void bulk_wait_all() {
+    if constexpr (kReadOnly) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    else asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// The writer warp: for each step, once the consumers have staged the tile's dQ, each lane adds whole rows of it
+// to the fp32 accumulator with bulk reductions (rows past the sequence are not added) and hands the staging
+// buffer back as soon as the reductions have read it. Deterministic mode: lane 0 waits for the tile's turn before
+// the adds and passes it on once they have completed (bulk reductions are the async proxy's writes: a proxy fence
+// orders them before the release).
+__device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, const Problem& pr0, int b, int h_first,
+                                      int n_block, int steps, int m_tiles, int m_hi, u32 stage, int lane) {
+    constexpr u32 kRowBytes = kHeadDim * sizeof(float), kStageRowBytes = kDqStageStride * sizeof(float);
+    if (steps > 0) named_barrier_arrive(kDqEmptyBarrier, kDqHandoffThreads);  // the buffer starts free
+#pragma unroll 1
+    for (int step = 0; step < steps; ++step) {
+        const int head = h_first + step / m_tiles, m_tile = m_hi - 1 - step % m_tiles, m0 = m_tile * kBlockM;
+        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block, lane == 0);
+        if (turn.turn != nullptr) {  // the other lanes wait for lane 0's turn, the adds come after its acquire
+            __syncwarp();
+            fence_proxy_async_global();
+        }
+        named_barrier_sync(kDqFullBarrier, kDqHandoffThreads);
+        float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * p.fwd.lse_head_stride + m0) * kHeadDim;
+        const int rows = min(kBlockM, pr0.seqlen_q - m0);
+#pragma unroll 1
+        for (int r = lane; r < rows; r += kWarpSize)
+            bulk_reduce_add(accum + r * kHeadDim, stage + r * kStageRowBytes, kRowBytes);
+        bulk_commit();
+        bulk_wait_all<true>();
+        if (step + 1 < steps) named_barrier_arrive(kDqEmptyBarrier, kDqHandoffThreads);
+        if (turn.turn != nullptr) {
+            bulk_wait_all<false>();
+            fence_proxy_async_global();
+            turn.pass([] { __syncwarp(); }, lane == 0);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps maps) {
     extern __shared__ __align__(kSwizzleAtomBytes) unsigned char smem_raw[];
@@ -233,6 +305,10 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         // Producer: K and V once, then each step's Q and dO by the copy engine and its rows' LSE (base 2) and D by
         // the warp's lanes (rows past the sequence read as zeros), into the ring as soon as a stage is free.
         setmaxnreg_dec<kProducerRegisters>();
+        if (kDqWriter && warp == kWriterWarp) {
+            write_dq(p, mask, pr0, b, h_first, n_block, steps, m_tiles, m_hi, smem_addr(smem.dq_stage), lane);
+            return;
+        }
         if (warp != 0) return;
         if (varlen && n0 + kBlockN > pr0.seqlen_k) {  // the sequence's last key block: as a last query tile below
             copy_rows<KTile>(k_smem, static_cast<const elem_t*>(f.k) + pr0.k_offset, f.k_row_stride, f.head_dim,
@@ -253,6 +329,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
                             (int)pr0.k_start + n0, h_kv, map_batch, kv_full);
             }
         }
+        const int q_row0 = opaque((int)pr0.q_start);  // held as 32 bits (the maps take 32-bit coordinates)
         for (int step = 0; step < steps; ++step) {
             const int stage = step % kStages, round = step / kStages;
             const int head = h_first + step / m_tiles, m0 = m_tile_of(step) * kBlockM;
@@ -262,29 +339,34 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
             // warp copies it with cp.async, zero-filling them, and publishes it to the products itself.
             const bool by_warp = varlen && m0 + kBlockM > pr0.seqlen_q;
             if (by_warp) {
-                const i64 q_row0 = pr0.q_offset + (head - h_first) * f.q_head_stride;
-                const i64 do_row0 = row_offset(p.do_batch_stride, p.do_row_stride, p.do_head_stride, b, pr0.q_start,
-                                               head);
-                copy_rows<QTile>(q_smem + stage * kQStageBytes, static_cast<const elem_t*>(f.q) + q_row0,
-                                 f.q_row_stride, f.head_dim, pr0.seqlen_q - m0, m0, lane);
+                // The offsets worked out again here, from a batch index the compiler cannot see through: hoisted
+                // out of the loop, they would not fit the producer's registers.
+                const int b_here = opaque(b);
+                const Problem pr = locate_problem(f, b_here, head);
+                const i64 do_row0 = row_offset(p.do_batch_stride, p.do_row_stride, p.do_head_stride, b_here,
+                                               pr.q_start, head);
+                copy_rows<QTile>(q_smem + stage * kQStageBytes, static_cast<const elem_t*>(f.q) + pr.q_offset,
+                                 f.q_row_stride, f.head_dim, pr.seqlen_q - m0, m0, lane);
                 copy_rows<DoTile>(do_smem + stage * kDoStageBytes, static_cast<const elem_t*>(p.dout) + do_row0,
-                                  p.do_row_stride, f.head_dim_v, pr0.seqlen_q - m0, m0, lane);
+                                  p.do_row_stride, f.head_dim_v, pr.seqlen_q - m0, m0, lane);
             } else if (lane == 0) {
                 mbarrier_arrive_expect_bytes(bar, kQStageBytes + kDoStageBytes);
 #pragma unroll
                 for (int blk = 0; blk < kHeadDim / kSwizzleRowElems; ++blk) {
                     tma_load_4d(q_smem + stage * kQStageBytes + blk * kColumnBlockBytes<QTile>, maps.q,
-                                blk * kSwizzleRowElems, (int)pr0.q_start + m0, head, map_batch, bar);
+                                blk * kSwizzleRowElems, q_row0 + m0, head, map_batch, bar);
                     tma_load_4d(do_smem + stage * kDoStageBytes + blk * kColumnBlockBytes<DoTile>, maps.dout,
-                                blk * kSwizzleRowElems, (int)pr0.q_start + m0, head, map_batch, bar);
+                                blk * kSwizzleRowElems, q_row0 + m0, head, map_batch, bar);
                 }
             }
             // The rows' LSE and D through registers: each lane's arrival (a release) publishes its stores.
+            // (The rows' offset worked out again each step, as the varlen tail's above.)
+            const i64 lse_row0 = locate_problem(f, opaque(b), head).lse_offset;
             float lse_rows[kBlockM / kWarpSize], dsum_rows[kBlockM / kWarpSize];
 #pragma unroll
             for (int i = 0; i < kBlockM / kWarpSize; ++i) {
                 const int row = m0 + lane + i * kWarpSize;
-                const i64 at = pr0.lse_offset + (head - h_first) * f.lse_head_stride + row;
+                const i64 at = lse_row0 + row;
                 const bool valid = row < pr0.seqlen_q;
                 lse_rows[i] = valid ? p.lse_log2[at] : 0.f;
                 dsum_rows[i] = valid ? p.dsum[at] : 0.f;
@@ -421,8 +503,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
             }
         }
         fence_proxy_async();
-        // Deterministic mode: wait for this dQ tile's turn.
-        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block, threadIdx.x == kWarpgroupThreads);
+        // Deterministic mode: wait for this dQ tile's turn (the writer warp waits instead, where there is one).
+        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block, !kDqWriter && threadIdx.x == kWarpgroupThreads);
         consumers_sync();
 
         // dQ = dS K for this warpgroup's piece: A = dS, i.e. dS^T's rows read MN-major (a k16 step is 16 keys,
@@ -447,20 +529,35 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         wgmma_wait<kSplitKeys ? 0 : 1>();
         fence_operands(dq);
 
-        float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
+        if constexpr (kDqWriter) {
+            // Stage the piece once the writer has read the last tile, publish it to the writer's bulk reads.
+            named_barrier_sync(kDqEmptyBarrier, kDqHandoffThreads);
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = dq_row0 + row_in_group + 8 * half;
-            if (m0 + row >= pr0.seqlen_q) continue;
+            for (int half = 0; half < 2; ++half) {
+                const int row = dq_row0 + row_in_group + 8 * half;
 #pragma unroll
-            for (int j = 0; j < kDqCols / kMmaN; ++j)
-                red_add2(accum + row * kHeadDim + dq_col0 + j * kMmaN + 2 * t, dq[4 * j + 2 * half],
-                         dq[4 * j + 2 * half + 1]);
+                for (int j = 0; j < kDqCols / kMmaN; ++j)
+                    *reinterpret_cast<float2*>(smem.dq_stage + row * kDqStageStride + dq_col0 + j * kMmaN + 2 * t) =
+                        make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+            }
+            fence_proxy_async();
+            named_barrier_arrive(kDqFullBarrier, kDqHandoffThreads);
+        } else {
+            float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = dq_row0 + row_in_group + 8 * half;
+                if (m0 + row >= pr0.seqlen_q) continue;
+#pragma unroll
+                for (int j = 0; j < kDqCols / kMmaN; ++j)
+                    red_add2(accum + row * kHeadDim + dq_col0 + j * kMmaN + 2 * t, dq[4 * j + 2 * half],
+                             dq[4 * j + 2 * half + 1]);
+            }
         }
         wgmma_wait<0>();
         fence_operands(dv);
         fence_operands(dk);
-        turn.pass(consumers_sync, threadIdx.x == kWarpgroupThreads);
+        if constexpr (!kDqWriter) turn.pass(consumers_sync, threadIdx.x == kWarpgroupThreads);
     };
 
     // Main loop over (query head, query tile) steps: wait for the step's stage, run it, hand the stage back.
