@@ -1791,10 +1791,10 @@ FT_DECODE_CLONES(DecodeBackwardWork, decode_backward_merge)
 #undef FT_DECODE_CLONES
 
 // Key parts per (batch, kv head): one where the pairs alone give every thread kDecodeUnitsPerThread units, else
-// as many as that takes, each at least kDecodeMinPartKeys keys (below that, the merge and the threads' wake-up
-// cost more than the split saves).
+// as many as that takes, each at least kDecodeMinPartKeys keys (one block of the online softmax: shorter parts
+// measured mixed, longer ones left 600 keys of one pair on one thread; notes.md, "The decode path").
 constexpr int64_t kDecodeUnitsPerThread = 2;
-constexpr int64_t kDecodeMinPartKeys = 512;
+constexpr int64_t kDecodeMinPartKeys = kDecodeBlockKeys;
 
 struct DecodeSplit {
   int64_t parts, part_keys;
