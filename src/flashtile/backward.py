@@ -35,7 +35,7 @@ def _padded(variant: Variant) -> tuple[int, int]:
 
 
 def _wgmma_tile(variant: Variant):
-    return specs.bwd_wgmma_tile(*_padded(variant), variant.arch, variant.score_mods)
+    return specs.bwd_wgmma_tile(*_padded(variant), variant.arch, variant.score_mods, variant.deterministic)
 
 
 def _grid_tile(variant: Variant):

@@ -49,13 +49,14 @@ def bounded_offsets(problem: FwdProblem) -> FwdProblem:
     return dataclasses.replace(problem, cu_seqlens_q=bounded[0], cu_seqlens_k=bounded[1])
 
 
-def variant_of(problem: FwdProblem, direction: str) -> Variant:
-    return Variant.of(problem, direction, specs.arch_of(device_capability(problem.q.device.index)))
+def variant_of(problem: FwdProblem, direction: str, deterministic: bool = False) -> Variant:
+    return Variant.of(problem, direction, specs.arch_of(device_capability(problem.q.device.index)), deterministic)
 
 
-def load(problem: FwdProblem, direction: str, rung="auto"):
-    """(family, loaded module) serving `problem` on its device."""
-    family, spec = registry.choose(variant_of(problem, direction), rung)
+def load(problem: FwdProblem, direction: str, rung="auto", deterministic: bool = False):
+    """(family, loaded module) serving `problem` on its device (`deterministic`: for a bitwise repeatable
+    backward)."""
+    family, spec = registry.choose(variant_of(problem, direction, deterministic), rung)
     return family, launch.load(spec, problem.q.device.index)
 
 
@@ -98,7 +99,7 @@ def backward(problem: FwdProblem, out: torch.Tensor, lse: torch.Tensor, dout: to
         dout = dout.contiguous()
     if q.is_cuda and _backward_kernels_serve(problem):
         ready = bounded_offsets(dataclasses.replace(problem, q=kernel_ready(q), k=kernel_ready(k), v=kernel_ready(v)))
-        _, module = load(ready, "bwd")
+        _, module = load(ready, "bwd", deterministic=deterministic)
         dq, dk, dv = bwd.run(ready, module, kernel_ready(out), lse.contiguous(), kernel_ready(dout), deterministic,
                              dlse)
         return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
@@ -156,7 +157,7 @@ def planned_call(problem: FwdProblem, rung, deterministic: bool, want_grad: bool
         return PlannedCall(forward_plan, None, q.device.index)
     if not _backward_kernels_serve(problem):
         return None
-    _, bwd_module = load(problem, "bwd")
+    _, bwd_module = load(problem, "bwd", deterministic=deterministic)
     out, lse = plans.empty_outputs(q, problem.out_shape(), problem.lse_shape())
     backward_plan = bwd.plan(problem, bwd_module, out, lse, out, plans.empty_grads(q, k, v), deterministic)
     return PlannedCall(forward_plan, backward_plan, q.device.index)

@@ -179,7 +179,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=api.NO_WIN
             + (f", softcap {softcap}" if softcap else "") + (", ALiBi" if alibi_slopes is not None else ""))
     directions = []
     for direction in ("fwd", "bwd"):
-        variant = dataclasses.replace(Variant.of(problem, direction, arch), head_dim=kernel_dims[0],
+        variant = dataclasses.replace(Variant.of(problem, direction, arch, deterministic), head_dim=kernel_dims[0],
                                       head_dim_v=kernel_dims[1])
         answers = registry.reasons(variant)
         chosen = next((f for f, why in answers if why is None), None)

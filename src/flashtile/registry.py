@@ -54,6 +54,8 @@ def compiled_variants(arch: str):
                     if features and d != _SCORE_MOD_HEAD_DIM:
                         continue
                     yield Variant(direction, dtype, d, dv, features, arch)
+                    if direction == "bwd":
+                        yield Variant(direction, dtype, d, dv, features, arch, deterministic=True)
                 if direction == "fwd":
                     yield Variant(direction, dtype, d, dv, frozenset(), arch, "decode")
 

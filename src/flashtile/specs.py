@@ -11,7 +11,7 @@ behind the reasons (scripts/tune_fwd.py and scripts/tune_bwd.py on the H200) are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -610,11 +610,15 @@ BWD_DQ_STAGE_PAD = 4  # floats after each staged dQ row (wgmma/bwd.cu kDqStageSt
 DQ_WRITER_PRODUCER_REGISTERS = 32
 
 
-def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False) -> BwdWgmmaTile | None:
-    """The Hopper kernel's tile, or None where rung 4's kernels serve."""
+def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
+                   deterministic: bool = False) -> BwdWgmmaTile | None:
+    """The Hopper kernel's tile, or None where rung 4's kernels serve. The deterministic mode adds dQ from the
+    consumers: the writer warp's turns, each waiting for its reductions to complete, cost more than the atomics'
+    (docs/notes.md, session eighteen)."""
     if arch != "sm_90a" or score_mods or d != dv:
         return None
-    return BWD_WGMMA_TILES.get(d)
+    tile = BWD_WGMMA_TILES.get(d)
+    return replace(tile, dq_writer=False) if tile is not None and deterministic else tile
 
 
 def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
