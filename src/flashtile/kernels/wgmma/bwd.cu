@@ -35,7 +35,7 @@
 //           kernel in docs/ladder.md; the producer's gain in docs/notes.md.
 // Wastes:   the consumers still meet every step (dS^T is shared), so one's softmax does not overlap the other's
 //           products, and they wait for their dV/dK products before that barrier (it keeps the d128 build
-//           within 240 registers); dQ leaves through fp32 atomics from the consumers.
+//           within 240 registers); at d64 and d256 dQ leaves through fp32 atomics from the consumers.
 #include "../common/bwd_frame.cuh"
 #include "../common/tma.cuh"
 #include "wgmma.cuh"
