@@ -483,6 +483,10 @@ DECODE_CASES = [
     (1, 2, 1500, 2, 1, 24, True, torch.float64),     # split
     (1, 3, 2, 2, 2, 16, True, torch.float32),        # more queries than keys: the first row sees no key
     (2, 8, 600, 8, 2, 64, True, torch.float32),      # 32 rows a kv head
+    (1, 16, 1100, 1, 1, 16, False, torch.float32),   # 16 rows: key-major scores, split
+    (1, 4, 700, 8, 2, 32, True, torch.bfloat16),     # 16 rows (a group of four at four queries), causal
+    (1, 2, 600, 8, 2, 24, True, torch.float64),      # 8 rows: key-major in fp64, causal, a padded head dim
+    (2, 16, 300, 4, 2, 16, True, torch.float16),     # 32 rows: two vectors of rows a key, causal
 ]
 
 
@@ -516,8 +520,11 @@ def test_the_decode_path_matches_the_fp64_reference_with_the_lse_and_its_gradien
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(trained, leaves, dout), dlse_free))
 
 
+STRIDED_DECODE_CASES = DECODE_CASES[:4] + DECODE_CASES[8:9]
+
+
 @needs_build
-@pytest.mark.parametrize("case", DECODE_CASES[:4], ids=_own_ids(DECODE_CASES[:4]))
+@pytest.mark.parametrize("case", STRIDED_DECODE_CASES, ids=_own_ids(STRIDED_DECODE_CASES))
 def test_the_decode_path_reads_k_and_v_in_place_at_any_strides(monkeypatch, case):
     """Views give what contiguous copies give, bit for bit (the path reads fp32 vectors in place and converts the
     others per vector, in the same order of operations): through the API, heads first in memory and the first
@@ -587,6 +594,32 @@ def test_nonfinite_inputs_on_the_decode_path_get_the_python_paths_answer(monkeyp
         batch, seqlen_q, heads_kv, group = rng.choice([1, 2]), rng.choice([1, 2, 3]), rng.choice([1, 2]), rng.choice([1, 4])
         seqlen_k, head_dim, causal = rng.choice([2, 300, 1500]), rng.choice([8, 16]), rng.random() < 0.5
         dtype = rng.choice([torch.float32, torch.bfloat16, torch.float64])
+        g = torch.Generator().manual_seed(rng.randrange(2**31))
+        q = torch.randn(batch, seqlen_q, heads_kv * group, head_dim, generator=g).to(dtype)
+        k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=g).to(dtype) for _ in range(2))
+        assert module.own_decode_serves(q, k, v)
+        for _ in range(rng.choice([1, 2])):
+            _poison(rng, rng.choice([q, k, v]))
+        _assert_cpp_matches_python(q, k, v, causal, g)
+
+
+KEY_MAJOR_FUZZ_CASES = 30
+
+
+@needs_build
+def test_nonfinite_inputs_on_key_major_decode_shapes_get_the_python_paths_answer(monkeypatch):
+    """As the fuzz above, where a kv head's rows fill whole vectors (16 rows in fp32 and its 16-bit types, 8 or 16
+    in fp64), so that its scores are key-major: causal masks cut rows lane by lane, keys split in parts past 1024."""
+    import random
+
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    module = host.extension()
+    rng = random.Random(11)
+    for _ in range(KEY_MAJOR_FUZZ_CASES):
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float64])
+        group, seqlen_q = rng.choice([(1, 16), (4, 4), (2, 8)] + ([(4, 2)] if dtype == torch.float64 else []))
+        batch, heads_kv = rng.choice([1, 2]), rng.choice([1, 2])
+        seqlen_k, head_dim, causal = rng.choice([300, 1500]), rng.choice([8, 16]), rng.random() < 0.5
         g = torch.Generator().manual_seed(rng.randrange(2**31))
         q = torch.randn(batch, seqlen_q, heads_kv * group, head_dim, generator=g).to(dtype)
         k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=g).to(dtype) for _ in range(2))

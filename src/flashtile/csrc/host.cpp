@@ -541,6 +541,10 @@ typedef float FloatVector __attribute__((vector_size(kVectorBytes)));
 typedef double DoubleVector __attribute__((vector_size(kVectorBytes)));
 template <class Acc>
 using VectorOf = std::conditional_t<std::is_same_v<Acc, float>, FloatVector, DoubleVector>;
+typedef int32_t FloatIndex __attribute__((vector_size(kVectorBytes)));  // a vector's lanes as integers
+typedef int64_t DoubleIndex __attribute__((vector_size(kVectorBytes)));
+template <class Acc>
+using IndexOf = std::conditional_t<std::is_same_v<Acc, float>, FloatIndex, DoubleIndex>;
 constexpr int64_t kWideRows = 4;
 constexpr int64_t kWideCols = 32;
 constexpr int64_t kNarrowRows = 8;
@@ -623,19 +627,22 @@ constexpr float kRoundingShift = 12582912.0f;  // 1.5 * 2^23: adding it rounds a
 constexpr int32_t kExponentBias = 127;
 constexpr int kMantissaBits = 23;
 
-FT_KERNEL_INLINE float exp2_of(float x) {
-  const float clamped = x < kExp2Min ? kExp2Min : x;
-  const float shifted = clamped + kRoundingShift;
-  const float whole = shifted - kRoundingShift;
-  const float f = clamped - whole;
-  int32_t shifted_bits, shift_bits;
-  std::memcpy(&shifted_bits, &shifted, sizeof(float));
+// Float: float (Bits int32_t), or FloatVector (Bits its lanes' bit patterns), each lane computed as a float is.
+template <class Float, class Bits>
+FT_KERNEL_INLINE Float exp2_poly(Float x) {
+  const Float clamped = x < kExp2Min ? Float{} + kExp2Min : x;
+  const Float shifted = clamped + kRoundingShift;
+  const Float whole = shifted - kRoundingShift;
+  const Float f = clamped - whole;
+  Bits shifted_bits;
+  int32_t shift_bits;
+  std::memcpy(&shifted_bits, &shifted, sizeof(Float));
   std::memcpy(&shift_bits, &kRoundingShift, sizeof(float));
-  const int32_t power_bits = (shifted_bits - shift_bits + kExponentBias) << kMantissaBits;
-  float power;
-  std::memcpy(&power, &power_bits, sizeof(float));
-  const float g = f * static_cast<float>(kLn2);  // 2^f = e^g
-  float poly = 1.0f / 5040.0f;
+  const Bits power_bits = (shifted_bits - shift_bits + kExponentBias) << kMantissaBits;
+  Float power;
+  std::memcpy(&power, &power_bits, sizeof(Float));
+  const Float g = f * static_cast<float>(kLn2);  // 2^f = e^g
+  Float poly = Float{} + 1.0f / 5040.0f;
   poly = poly * g + 1.0f / 720.0f;
   poly = poly * g + 1.0f / 120.0f;
   poly = poly * g + 1.0f / 24.0f;
@@ -643,10 +650,17 @@ FT_KERNEL_INLINE float exp2_of(float x) {
   poly = poly * g + 0.5f;
   poly = poly * g + 1.0f;
   poly = poly * g + 1.0f;
-  const float value = poly * power;
-  return x < kExp2Min ? 0.0f : (x != x ? x : value);
+  const Float value = poly * power;
+  return x < kExp2Min ? Float{} : (x != x ? x : value);
 }
+FT_KERNEL_INLINE float exp2_of(float x) { return exp2_poly<float, int32_t>(x); }
 FT_KERNEL_INLINE double exp2_of(double x) { return std::exp2(x); }
+// exp2_of on every lane of a vector.
+FT_KERNEL_INLINE FloatVector exp2_lanes(FloatVector x) { return exp2_poly<FloatVector, FloatIndex>(x); }
+FT_KERNEL_INLINE DoubleVector exp2_lanes(DoubleVector x) {
+  for (int64_t t = 0; t < kVectorBytes / static_cast<int64_t>(sizeof(double)); ++t) x[t] = std::exp2(x[t]);
+  return x;
+}
 
 // A row of base-2 scores s[0, width) whose first `visible` keys the row sees, made its softmax weights
 // exp2(s - max), 0 past `visible`; returns (max, sum of the weights). A NaN score leaves the max alone but makes
@@ -1192,10 +1206,6 @@ FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Ten
 // tile of keys accumulate in one vector per key, the lanes splitting the head dim; `sum_lanes` then adds every
 // vector's lanes at once, by a butterfly of two-vector shuffles that halves the lanes a key holds and doubles the
 // keys a vector holds, until lane j holds key j's sum. So a tile is one vector's lanes of keys.
-typedef int32_t FloatIndex __attribute__((vector_size(kVectorBytes)));
-typedef int64_t DoubleIndex __attribute__((vector_size(kVectorBytes)));
-template <class Acc>
-using IndexOf = std::conditional_t<std::is_same_v<Acc, float>, FloatIndex, DoubleIndex>;
 template <class Acc>
 constexpr int64_t kDecodeTileKeys = kVectorBytes / sizeof(Acc);
 
@@ -1302,10 +1312,81 @@ FT_KERNEL_INLINE void tile_dots(const Acc* a, int64_t lda, int64_t rows, const A
   }
 }
 
-// c[r] += sum over j < count of p[r * ldp + j] * values[j], for r < rows (a multiple of R), over dim elements (a
+// Where a (batch, kv head)'s rows fill whole vectors (16 in fp32: MHA at 16 queries, a GQA group of four at four
+// queries), its products take the other orientation, S^T = K Q^T: each key's scores for all the rows are a vector
+// (or two), each element of the key broadcast against a vector of the rows' elements (Q^T, transposed once a
+// unit). Neither folds nor transposed tiles; and the softmax's max, sum and rescaling run over the keys a vector
+// of rows at a time, a row a lane, where the row-major form reduces within each row (notes.md, "Small head dims at
+// 16 queries").
+template <class Acc>
+inline bool key_major(int64_t rows) {
+  return rows % kDecodeTileKeys<Acc> == 0;
+}
+
+// s[j * lds + r] = a_t[e * rows + r] . keys[j][e] over e < dim, for the tile's keys j and rows r < rows (a
+// multiple of V vectors' lanes): G keys x V vectors of accumulators, each loaded row vector serving G keys.
+template <int64_t V, int64_t G, class Acc>
+FT_KERNEL_INLINE void keys_dots_t(const Acc* a_t, int64_t rows, const Acc* const* keys, int64_t dim, Acc* s,
+                                  int64_t lds) {
+  constexpr int64_t kLanesPer = kDecodeTileKeys<Acc>;
+  static_assert(kLanesPer % G == 0, "passes of G keys cover the tile");
+  for (int64_t r0 = 0; r0 < rows; r0 += V * kLanesPer) {
+    for (int64_t j0 = 0; j0 < kLanesPer; j0 += G) {
+      VectorOf<Acc> sums[G][V] = {};
+      for (int64_t e = 0; e < dim; ++e) {
+        VectorOf<Acc> x[V];
+        for (int64_t n = 0; n < V; ++n) x[n] = load_lanes(a_t + e * rows + r0 + n * kLanesPer);
+        for (int64_t g = 0; g < G; ++g) {
+          const Acc y = keys[j0 + g][e];
+          for (int64_t n = 0; n < V; ++n) sums[g][n] += y * x[n];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t n = 0; n < V; ++n) store_lanes(s + (j0 + g) * lds + r0 + n * kLanesPer, sums[g][n]);
+      }
+    }
+  }
+}
+
+// Keys a pass of keys_dots_t takes: eight accumulators (times the row vectors) hide the multiply-adds' latency,
+// and eight key pointers stay in registers.
+constexpr int64_t kDecodeKeysAtOnce = 8;
+
+template <class Acc>
+FT_KERNEL_INLINE void keys_dots(const Acc* a_t, int64_t rows, const Acc* const* keys, int64_t dim, Acc* s,
+                                int64_t lds) {
+  if (rows % (2 * kDecodeTileKeys<Acc>) == 0) {
+    keys_dots_t<2, kDecodeKeysAtOnce>(a_t, rows, keys, dim, s, lds);
+  } else {
+    keys_dots_t<1, kDecodeKeysAtOnce>(a_t, rows, keys, dim, s, lds);
+  }
+}
+
+// rows x dim elements (ld apart) transposed: to[e * rows + r] = from[r * ld + e].
+template <class Acc>
+FT_KERNEL_INLINE void transpose_rows(const Acc* from, int64_t ld, int64_t rows, int64_t dim, Acc* to) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t e = 0; e < dim; ++e) to[e * rows + r] = from[r * ld + e];
+  }
+}
+
+// Where the score (or weight, or gradient) of row r and key j lies in a block. The folds and the transposed tile
+// write a row's keys together (RowMajor, rows ld apart); keys_dots_t writes a key's rows together (KeyMajor, keys
+// ld apart). The products take the layout as a type, so that a key-major tile's rows lie at constant offsets
+// (with the stride a variable, a tile of 16 rows kept 16 offsets, more than the registers hold).
+struct RowMajor {
+  int64_t ld;
+  int64_t at(int64_t r, int64_t j) const { return r * ld + j; }
+};
+struct KeyMajor {
+  int64_t ld;
+  int64_t at(int64_t r, int64_t j) const { return r + j * ld; }
+};
+
+// c[r] += sum over j < count of p[at(r, j)] * values[j], for r < rows (a multiple of R), over dim elements (a
 // multiple of V vectors): register tiles of R rows x V vectors, each value vector loaded once for R rows.
-template <int64_t R, int64_t V, class Acc>
-FT_KERNEL_INLINE void tile_accumulate_t(const Acc* p, int64_t ldp, int64_t rows, const Acc* const* values,
+template <int64_t R, int64_t V, class Layout, class Acc>
+FT_KERNEL_INLINE void tile_accumulate_t(const Acc* p, Layout l, int64_t rows, const Acc* const* values,
                                         int64_t count, Acc* c, int64_t ldc, int64_t dim) {
   constexpr int64_t kLanesPer = kDecodeTileKeys<Acc>;
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
@@ -1318,7 +1399,7 @@ FT_KERNEL_INLINE void tile_accumulate_t(const Acc* p, int64_t ldp, int64_t rows,
         VectorOf<Acc> line[V];
         for (int64_t n = 0; n < V; ++n) line[n] = load_lanes(values[j] + c0 + n * kLanesPer);
         for (int64_t r = 0; r < R; ++r) {
-          const Acc x = p[(r0 + r) * ldp + j];
+          const Acc x = p[l.at(r0 + r, j)];
           for (int64_t n = 0; n < V; ++n) tile[r][n] += x * line[n];
         }
       }
@@ -1331,34 +1412,44 @@ FT_KERNEL_INLINE void tile_accumulate_t(const Acc* p, int64_t ldp, int64_t rows,
 
 constexpr int64_t kDecodeWideVectors = 4;  // vectors of a register tile's row where the head dim allows
 
-template <int64_t R, class Acc>
-FT_KERNEL_INLINE void tile_accumulate_rows(const Acc* p, int64_t ldp, int64_t rows, const Acc* const* values,
+template <int64_t R, class Layout, class Acc>
+FT_KERNEL_INLINE void tile_accumulate_rows(const Acc* p, Layout l, int64_t rows, const Acc* const* values,
                                            int64_t count, Acc* c, int64_t ldc, int64_t dim) {
   if (dim % (kDecodeWideVectors * kDecodeTileKeys<Acc>) == 0) {
-    tile_accumulate_t<R, kDecodeWideVectors>(p, ldp, rows, values, count, c, ldc, dim);
+    tile_accumulate_t<R, kDecodeWideVectors>(p, l, rows, values, count, c, ldc, dim);
   } else {
-    tile_accumulate_t<R, 1>(p, ldp, rows, values, count, c, ldc, dim);
+    tile_accumulate_t<R, 1>(p, l, rows, values, count, c, ldc, dim);
   }
 }
+
+// Where a register tile's row is one vector (a narrow head dim), kDecodeRowTile rows would be as many chains of
+// dependent multiply-adds, too few to hide their latency: then tiles of kDecodeTallRows rows, or half that (and
+// tile_outer_t's of half that many keys: more would keep more strides into key-major weights than registers).
+constexpr int64_t kDecodeTallRows = 16;
 
 // tile_accumulate_t for `rows` as decode_rows_padded gives them.
-template <class Acc>
-FT_KERNEL_INLINE void tile_accumulate(const Acc* p, int64_t ldp, int64_t rows, const Acc* const* values,
+template <class Layout, class Acc>
+FT_KERNEL_INLINE void tile_accumulate(const Acc* p, Layout l, int64_t rows, const Acc* const* values,
                                       int64_t count, Acc* c, int64_t ldc, int64_t dim) {
+  const bool narrow = dim % (kDecodeWideVectors * kDecodeTileKeys<Acc>) != 0;
   if (rows == 1) {
-    tile_accumulate_rows<1>(p, ldp, rows, values, count, c, ldc, dim);
+    tile_accumulate_rows<1>(p, l, rows, values, count, c, ldc, dim);
   } else if (rows == 2) {
-    tile_accumulate_rows<2>(p, ldp, rows, values, count, c, ldc, dim);
+    tile_accumulate_rows<2>(p, l, rows, values, count, c, ldc, dim);
+  } else if (narrow && rows % kDecodeTallRows == 0) {
+    tile_accumulate_t<kDecodeTallRows, 1>(p, l, rows, values, count, c, ldc, dim);
+  } else if (narrow && rows % (kDecodeTallRows / 2) == 0) {
+    tile_accumulate_t<kDecodeTallRows / 2, 1>(p, l, rows, values, count, c, ldc, dim);
   } else {
-    tile_accumulate_rows<kDecodeRowTile>(p, ldp, rows, values, count, c, ldc, dim);
+    tile_accumulate_rows<kDecodeRowTile>(p, l, rows, values, count, c, ldc, dim);
   }
 }
 
-// out_j = factor * (sum over r < rows of a[r * lda + j] * b_r) for the tile's keys j < count, over dim elements
+// out_j = factor * (sum over r < rows of a[at(r, j)] * b_r) for the tile's keys j < count, over dim elements
 // (a multiple of V vectors), written as In to out + j * ld_out, its first out_dim elements: a key's gradient from
 // all the rows of its (batch, kv head), stored as it is made. Register tiles of R keys x V vectors.
-template <int64_t R, int64_t V, class In, class Acc>
-FT_KERNEL_INLINE void tile_outer_t(const Acc* a, int64_t lda, int64_t rows, const Acc* b, int64_t ldb, int64_t count,
+template <int64_t R, int64_t V, class Layout, class In, class Acc>
+FT_KERNEL_INLINE void tile_outer_t(const Acc* a, Layout l, int64_t rows, const Acc* b, int64_t ldb, int64_t count,
                                    int64_t dim, Acc factor, In* out, int64_t ld_out, int64_t out_dim) {
   constexpr int64_t kLanesPer = kDecodeTileKeys<Acc>, kWidth = V * kLanesPer;
   for (int64_t j0 = 0; j0 < count; j0 += R) {
@@ -1368,7 +1459,7 @@ FT_KERNEL_INLINE void tile_outer_t(const Acc* a, int64_t lda, int64_t rows, cons
         VectorOf<Acc> line[V];
         for (int64_t n = 0; n < V; ++n) line[n] = load_lanes(b + r * ldb + c0 + n * kLanesPer);
         for (int64_t j = 0; j < R; ++j) {
-          const Acc x = a[r * lda + j0 + j];
+          const Acc x = a[l.at(r, j0 + j)];
           for (int64_t n = 0; n < V; ++n) tile[j][n] += x * line[n];
         }
       }
@@ -1394,13 +1485,13 @@ FT_KERNEL_INLINE void tile_outer_t(const Acc* a, int64_t lda, int64_t rows, cons
   }
 }
 
-template <class In, class Acc>
-FT_KERNEL_INLINE void tile_outer(const Acc* a, int64_t lda, int64_t rows, const Acc* b, int64_t ldb, int64_t count,
+template <class Layout, class In, class Acc>
+FT_KERNEL_INLINE void tile_outer(const Acc* a, Layout l, int64_t rows, const Acc* b, int64_t ldb, int64_t count,
                                  int64_t dim, Acc factor, In* out, int64_t ld_out, int64_t out_dim) {
   if (dim % (kDecodeWideVectors * kDecodeTileKeys<Acc>) == 0) {
-    tile_outer_t<kDecodeRowTile, kDecodeWideVectors>(a, lda, rows, b, ldb, count, dim, factor, out, ld_out, out_dim);
+    tile_outer_t<kDecodeRowTile, kDecodeWideVectors>(a, l, rows, b, ldb, count, dim, factor, out, ld_out, out_dim);
   } else {
-    tile_outer_t<kDecodeRowTile, 1>(a, lda, rows, b, ldb, count, dim, factor, out, ld_out, out_dim);
+    tile_outer_t<kDecodeTallRows / 2, 1>(a, l, rows, b, ldb, count, dim, factor, out, ld_out, out_dim);
   }
 }
 
@@ -1440,18 +1531,21 @@ struct DecodeTile {
                              int64_t count) {
     bool in_place = x.sd == 1 && p.dim == p.dim_padded;
     if constexpr (!std::is_same_v<In, Acc>) in_place = false;
+    // Held in locals: the stores to `rows` might otherwise alias x's fields, which would be reloaded every key.
+    const In* first_vector = x.at(b, first, hk);
+    const int64_t step = x.ss, sd = x.sd;
     for (int64_t j = 0; j < kKeys; ++j) {
       if (j >= count) {
         rows[j] = zeros.data();
       } else if constexpr (std::is_same_v<In, Acc>) {
         if (in_place) {
-          rows[j] = x.at(b, first + j, hk);
+          rows[j] = first_vector + j * step;
           continue;
         }
-        load_vector(x.at(b, first + j, hk), x.sd, p.dim, buffer.data() + j * p.dim_padded);
+        load_vector(first_vector + j * step, sd, p.dim, buffer.data() + j * p.dim_padded);
         rows[j] = buffer.data() + j * p.dim_padded;
       } else {
-        load_vector(x.at(b, first + j, hk), x.sd, p.dim, buffer.data() + j * p.dim_padded);
+        load_vector(first_vector + j * step, sd, p.dim, buffer.data() + j * p.dim_padded);
         rows[j] = buffer.data() + j * p.dim_padded;
       }
     }
@@ -1473,32 +1567,92 @@ struct DecodeTile {
 template <class Acc>
 FT_KERNEL_INLINE Acc online_softmax_row_t(Acc* s, int64_t visible, int64_t width, Acc& running_max,
                                           Acc& running_sum) {
-  constexpr Acc kMinusInf = -std::numeric_limits<Acc>::infinity();
-  Acc lanes[kLanes];
-  for (int64_t t = 0; t < kLanes; ++t) lanes[t] = kMinusInf;
-  for (int64_t j0 = 0; j0 < width; j0 += kLanes) {
-    for (int64_t t = 0; t < kLanes; ++t) {
-      const Acc x = j0 + t < visible ? s[j0 + t] : kMinusInf;
-      lanes[t] = lanes[t] < x ? x : lanes[t];
+  using Vector = VectorOf<Acc>;
+  constexpr int64_t kLanesPer = kDecodeTileKeys<Acc>;
+  const Vector minus_inf = Vector{} - std::numeric_limits<Acc>::infinity();
+  Vector key;  // each lane's key in a vector, counted in Acc (exact: a block is kDecodeBlockKeys keys)
+  for (int64_t t = 0; t < kLanesPer; ++t) key[t] = static_cast<Acc>(t);
+  const Vector last = Vector{} + static_cast<Acc>(visible);
+  Vector lanes = minus_inf;
+  for (int64_t j0 = 0; j0 < width; j0 += kLanesPer) {
+    Vector x = load_lanes(s + j0);
+    if (j0 + kLanesPer > visible) {  // the keys past `visible` become -inf: weight 0 whatever the max
+      x = key + static_cast<Acc>(j0) < last ? x : minus_inf;
+      store_lanes(s + j0, x);
     }
+    lanes = lanes < x ? x : lanes;
   }
   Acc largest = running_max;
-  for (int64_t t = 0; t < kLanes; ++t) largest = largest < lanes[t] ? lanes[t] : largest;
-  const Acc shift = largest == kMinusInf ? Acc(0) : largest;
-  for (int64_t t = 0; t < kLanes; ++t) lanes[t] = 0;
-  for (int64_t j0 = 0; j0 < width; j0 += kLanes) {
-    for (int64_t t = 0; t < kLanes; ++t) {
-      const Acc p = j0 + t < visible ? exp2_of(s[j0 + t] - shift) : Acc(0);
-      s[j0 + t] = p;
-      lanes[t] += p;
-    }
+  for (int64_t t = 0; t < kLanesPer; ++t) largest = largest < lanes[t] ? lanes[t] : largest;
+  const Acc shift = largest == -std::numeric_limits<Acc>::infinity() ? Acc(0) : largest;
+  Vector sums = {};
+  for (int64_t j0 = 0; j0 < width; j0 += kLanesPer) {
+    const Vector weights = exp2_lanes(load_lanes(s + j0) - shift);
+    store_lanes(s + j0, weights);
+    sums += weights;
   }
   Acc total = 0;
-  for (int64_t t = 0; t < kLanes; ++t) total += lanes[t];
+  for (int64_t t = 0; t < kLanesPer; ++t) total += sums[t];
   const Acc factor = exp2_of(running_max - shift);
   running_sum = running_sum * factor + total;
   running_max = largest;
   return factor;
+}
+
+// online_softmax_row_t over key-major scores, a row a lane: s[j * rows + r] for the block's keys j < keys, of
+// which row r sees the first seen[r] (all, where `whole`); the rows' running max and sum move on, and factor[r]
+// is the scale for row r's output so far. The same rules for NaN and -inf, lane by lane.
+template <class Acc>
+FT_KERNEL_INLINE void online_softmax_keys_t(Acc* s, int64_t rows, int64_t keys, const int64_t* seen, bool whole,
+                                            Acc* running_max, Acc* running_sum, Acc* factor) {
+  using Vector = VectorOf<Acc>;
+  constexpr int64_t kLanesPer = kDecodeTileKeys<Acc>;
+  const Vector minus_inf = Vector{} - std::numeric_limits<Acc>::infinity();
+  for (int64_t r0 = 0; r0 < rows; r0 += kLanesPer) {
+    Vector last;  // keys each lane's row sees, in Acc (exact: a block is kDecodeBlockKeys keys)
+    for (int64_t t = 0; t < kLanesPer; ++t) last[t] = static_cast<Acc>(seen[r0 + t]);
+    Vector largest = load_lanes(running_max + r0);
+    for (int64_t j = 0; j < keys; ++j) {
+      Vector x = load_lanes(s + j * rows + r0);
+      if (!whole) {  // the keys past a row's last become -inf: weight 0 whatever the max
+        x = static_cast<Acc>(j) < last ? x : minus_inf;
+        store_lanes(s + j * rows + r0, x);
+      }
+      largest = largest < x ? x : largest;
+    }
+    const Vector shift = largest == minus_inf ? Vector{} : largest;
+    Vector total = {};
+    for (int64_t j = 0; j < keys; ++j) {
+      const Vector p = exp2_lanes(load_lanes(s + j * rows + r0) - shift);
+      store_lanes(s + j * rows + r0, p);
+      total += p;
+    }
+    const Vector scale = exp2_lanes(load_lanes(running_max + r0) - shift);
+    store_lanes(running_sum + r0, load_lanes(running_sum + r0) * scale + total);
+    store_lanes(running_max + r0, largest);
+    store_lanes(factor + r0, scale);
+  }
+}
+
+// gradient_row_t over a tile's key-major weights and gradients, s[j * rows + r] and dp[j * rows + r] for keys
+// j < keys, a row a lane: p = exp2(s - lse2) and ds = p (dp - delta) over the keys row r sees (the first
+// seen[r]), both exactly 0 past them.
+template <class Acc>
+FT_KERNEL_INLINE void gradient_keys_t(Acc* s, Acc* dp, int64_t rows, int64_t keys, const Acc* lse2, const Acc* delta,
+                                      const int64_t* seen) {
+  using Vector = VectorOf<Acc>;
+  constexpr int64_t kLanesPer = kDecodeTileKeys<Acc>;
+  for (int64_t r0 = 0; r0 < rows; r0 += kLanesPer) {
+    Vector last;  // keys each lane's row sees, in Acc (exact: at most a tile)
+    for (int64_t t = 0; t < kLanesPer; ++t) last[t] = static_cast<Acc>(seen[r0 + t]);
+    const Vector row_lse2 = load_lanes(lse2 + r0), row_delta = load_lanes(delta + r0);
+    for (int64_t j = 0; j < keys; ++j) {
+      const Vector p = exp2_lanes(load_lanes(s + j * rows + r0) - row_lse2);
+      const Vector ds = p * (load_lanes(dp + j * rows + r0) - row_delta);
+      store_lanes(s + j * rows + r0, static_cast<Acc>(j) < last ? p : Vector{});
+      store_lanes(dp + j * rows + r0, static_cast<Acc>(j) < last ? ds : Vector{});
+    }
+  }
 }
 
 // A row's out and LSE from its running max, sum and output (not yet divided by the sum): 0 and -inf where the
@@ -1555,9 +1709,13 @@ FT_KERNEL_INLINE void decode_forward_items_t(const DecodeForwardWork<In, Acc>& w
   constexpr int64_t kKeys = kDecodeTileKeys<Acc>;
   const Shape& p = w.p;
   const int64_t rows = p.group * p.seqlen_q, rows_padded = decode_rows_padded(rows), dim = p.dim_padded;
+  const bool by_key = key_major<Acc>(rows);
+  const KeyMajor by_keys{rows_padded};
+  const RowMajor by_rows{kDecodeBlockKeys};
+  auto at = [&](int64_t r, int64_t j) { return by_key ? by_keys.at(r, j) : by_rows.at(r, j); };
   DecodeTile<In, Acc> tile(p);
-  std::vector<Acc> q_rows(rows_padded * dim), o_rows(rows_padded * dim), scores(rows_padded * kDecodeBlockKeys),
-      largest(rows_padded), total(rows_padded);
+  std::vector<Acc> q_rows(rows_padded * dim), q_t(by_key ? rows_padded * dim : 0), o_rows(rows_padded * dim),
+      scores(rows_padded * kDecodeBlockKeys), largest(rows_padded), total(rows_padded), factor(rows_padded);
   std::vector<int64_t> visible(rows_padded), seen(rows_padded);
   for (int64_t item = first; item < last; ++item) {
     const int64_t pair = item / w.parts, part = item % w.parts, b = pair / p.heads_kv, hk = pair % p.heads_kv;
@@ -1568,6 +1726,7 @@ FT_KERNEL_INLINE void decode_forward_items_t(const DecodeForwardWork<In, Acc>& w
       if (r < rows) load_vector(w.q.at(b, decode_query(p, r), decode_head(p, hk, r)), w.q.sd, p.dim, line);
       for (int64_t e = 0; e < dim; ++e) line[e] = r < rows && e < p.dim ? line[e] * w.q_factor : Acc(0);
     }
+    if (by_key) transpose_rows(q_rows.data(), dim, rows_padded, dim, q_t.data());
     std::fill(largest.begin(), largest.end(), -std::numeric_limits<Acc>::infinity());
     std::fill(total.begin(), total.end(), Acc(0));
     std::fill(o_rows.begin(), o_rows.end(), Acc(0));
@@ -1578,16 +1737,29 @@ FT_KERNEL_INLINE void decode_forward_items_t(const DecodeForwardWork<In, Acc>& w
         prefetch_keys(p, w.k, b, hk, next, std::clamp<int64_t>(key_end - next, 0, kKeys));
         prefetch_keys(p, w.v, b, hk, next, std::clamp<int64_t>(key_end - next, 0, kKeys));
         tile.load(p, w.k, b, hk, j0 + t0, std::min(kKeys, keys - t0));
-        tile_dots(q_rows.data(), dim, rows_padded, tile.rows, dim, scores.data() + t0, kDecodeBlockKeys);
+        if (by_key) {
+          keys_dots(q_t.data(), rows_padded, tile.rows, dim, scores.data() + at(0, t0), rows_padded);
+        } else {
+          tile_dots(q_rows.data(), dim, rows_padded, tile.rows, dim, scores.data() + t0, kDecodeBlockKeys);
+        }
       }
       int64_t common = keys, widest = 0;  // keys every row sees, keys some row sees
       for (int64_t r = 0; r < rows_padded; ++r) {
         seen[r] = std::clamp<int64_t>(visible[r] - j0, 0, keys);
         if (r < rows) common = std::min(common, seen[r]), widest = std::max(widest, seen[r]);
+      }
+      if (by_key) {
+        online_softmax_keys_t(scores.data(), rows_padded, keys, seen.data(), common == keys, largest.data(),
+                              total.data(), factor.data());
+      } else {
+        for (int64_t r = 0; r < rows_padded; ++r) {
+          factor[r] = online_softmax_row_t(scores.data() + r * kDecodeBlockKeys, seen[r], padded(keys, kLanes),
+                                           largest[r], total[r]);
+        }
+      }
+      for (int64_t r = 0; r < rows_padded; ++r) {
         Acc* line = o_rows.data() + r * dim;
-        const Acc factor = online_softmax_row_t(scores.data() + r * kDecodeBlockKeys, seen[r], padded(keys, kLanes),
-                                                largest[r], total[r]);
-        for (int64_t e = 0; e < dim; ++e) line[e] *= factor;
+        for (int64_t e = 0; e < dim; ++e) line[e] *= factor[r];
       }
       // P V: over the keys every row sees, one product for all rows; past them (causal, several queries), each
       // row up to its own last key, so that no row multiplies a value vector it does not see.
@@ -1595,13 +1767,18 @@ FT_KERNEL_INLINE void decode_forward_items_t(const DecodeForwardWork<In, Acc>& w
         const int64_t count = std::min(kKeys, widest - t0), shared = std::clamp<int64_t>(common - t0, 0, count);
         tile.load(p, w.v, b, hk, j0 + t0, count);
         if (shared) {
-          tile_accumulate(scores.data() + t0, kDecodeBlockKeys, rows_padded, tile.rows, shared, o_rows.data(), dim,
-                          dim);
+          if (by_key) {
+            tile_accumulate(scores.data() + at(0, t0), by_keys, rows_padded, tile.rows, shared, o_rows.data(), dim,
+                            dim);
+          } else {
+            tile_accumulate(scores.data() + at(0, t0), by_rows, rows_padded, tile.rows, shared, o_rows.data(), dim,
+                            dim);
+          }
         }
         for (int64_t r = 0; r < rows; ++r) {
           Acc* line = o_rows.data() + r * dim;
           for (int64_t j = shared; j < std::min(count, seen[r] - t0); ++j) {
-            const Acc weight = scores[r * kDecodeBlockKeys + t0 + j];
+            const Acc weight = scores[at(r, t0 + j)];
             for (int64_t e = 0; e < dim; ++e) line[e] += weight * tile.rows[j][e];
           }
         }
@@ -1681,10 +1858,13 @@ FT_KERNEL_INLINE void decode_backward_items_t(const DecodeBackwardWork<In, Acc>&
   const Shape& p = w.p;
   const int64_t rows = p.group * p.seqlen_q, rows_padded = decode_rows_padded(rows), dim = p.dim_padded;
   const Acc log2e = static_cast<Acc>(kLog2e), inf = std::numeric_limits<Acc>::infinity();
+  const bool by_key = key_major<Acc>(rows);
+  const KeyMajor by_keys{rows_padded};
+  const RowMajor by_rows{kKeys};
   DecodeTile<In, Acc> k_tile(p), v_tile(p);
   std::vector<Acc> q_rows(rows_padded * dim), q_finite(rows_padded * dim), dout_rows(rows_padded * dim),
-      dq_rows(rows_padded * dim), out_line(dim), weights(rows_padded * kKeys), grads(rows_padded * kKeys),
-      lse2(rows_padded), delta(rows_padded);
+      q_t(by_key ? rows_padded * dim : 0), dout_t(by_key ? rows_padded * dim : 0), dq_rows(rows_padded * dim),
+      out_line(dim), weights(rows_padded * kKeys), grads(rows_padded * kKeys), lse2(rows_padded), delta(rows_padded);
   std::vector<int64_t> visible(rows_padded), seen(rows_padded);
   for (int64_t item = first; item < last; ++item) {
     const int64_t pair = item / w.parts, part = item % w.parts, b = pair / p.heads_kv, hk = pair % p.heads_kv;
@@ -1713,6 +1893,10 @@ FT_KERNEL_INLINE void decode_backward_items_t(const DecodeBackwardWork<In, Acc>&
       lse2[r] = row_lse == -inf ? inf : row_lse * log2e;  // a row that sees no key: every weight 0
     }
     zero_nonfinite_rows(q_finite.data(), q_finite.data(), dim, rows, p.dim);
+    if (by_key) {
+      transpose_rows(q_rows.data(), dim, rows_padded, dim, q_t.data());
+      transpose_rows(dout_rows.data(), dim, rows_padded, dim, dout_t.data());
+    }
     std::fill(dq_rows.begin(), dq_rows.end(), Acc(0));
     for (int64_t t0 = key_begin; t0 < key_end; t0 += kKeys) {
       const int64_t count = std::min(kKeys, key_end - t0);
@@ -1721,21 +1905,41 @@ FT_KERNEL_INLINE void decode_backward_items_t(const DecodeBackwardWork<In, Acc>&
       prefetch_keys(p, w.v, b, hk, next, next_count);
       k_tile.load(p, w.k, b, hk, t0, count);
       v_tile.load(p, w.v, b, hk, t0, count);
-      tile_dots(q_rows.data(), dim, rows_padded, k_tile.rows, dim, weights.data(), kKeys);
+      if (by_key) {
+        keys_dots(q_t.data(), rows_padded, k_tile.rows, dim, weights.data(), rows_padded);
+      } else {
+        tile_dots(q_rows.data(), dim, rows_padded, k_tile.rows, dim, weights.data(), kKeys);
+      }
       // A key vector with a NaN or Inf makes its scores NaN or Inf in every row (padding rows included), so clean
       // scores clear the whole tile at once.
       const bool k_finite = finite_values_t(weights.data(), rows_padded * kKeys);
-      tile_dots(dout_rows.data(), dim, rows_padded, v_tile.rows, dim, grads.data(), kKeys);
       for (int64_t r = 0; r < rows_padded; ++r) seen[r] = std::clamp<int64_t>(visible[r] - t0, 0, count);
-      gradient_block_t(weights.data(), grads.data(), kKeys, rows_padded, lse2.data(), delta.data(), seen.data(),
-                       kKeys);
+      if (by_key) {
+        keys_dots(dout_t.data(), rows_padded, v_tile.rows, dim, grads.data(), rows_padded);
+        gradient_keys_t(weights.data(), grads.data(), rows_padded, kKeys, lse2.data(), delta.data(), seen.data());
+      } else {
+        tile_dots(dout_rows.data(), dim, rows_padded, v_tile.rows, dim, grads.data(), kKeys);
+        gradient_block_t(weights.data(), grads.data(), kKeys, rows_padded, lse2.data(), delta.data(), seen.data(),
+                         kKeys);
+      }
       const int64_t first_line = (b * p.seqlen_k + t0) * p.heads_kv + hk, ld_lines = p.heads_kv * p.dim;
-      tile_outer(weights.data(), kKeys, rows, dout_rows.data(), dim, count, dim, Acc(1),
-                 w.dv_data + first_line * p.dim, ld_lines, p.dim);
-      tile_outer(grads.data(), kKeys, rows, q_finite.data(), dim, count, dim, w.grad_scale,
-                 w.dk_data + first_line * p.dim, ld_lines, p.dim);
+      In* dv_lines = w.dv_data + first_line * p.dim;
+      In* dk_lines = w.dk_data + first_line * p.dim;
+      if (by_key) {
+        tile_outer(weights.data(), by_keys, rows, dout_rows.data(), dim, count, dim, Acc(1), dv_lines, ld_lines, p.dim);
+        tile_outer(grads.data(), by_keys, rows, q_finite.data(), dim, count, dim, w.grad_scale, dk_lines, ld_lines,
+                   p.dim);
+      } else {
+        tile_outer(weights.data(), by_rows, rows, dout_rows.data(), dim, count, dim, Acc(1), dv_lines, ld_lines, p.dim);
+        tile_outer(grads.data(), by_rows, rows, q_finite.data(), dim, count, dim, w.grad_scale, dk_lines, ld_lines,
+                   p.dim);
+      }
       if (!k_finite) k_tile.hide_nonfinite(dim);
-      tile_accumulate(grads.data(), kKeys, rows_padded, k_tile.rows, count, dq_rows.data(), dim, dim);
+      if (by_key) {
+        tile_accumulate(grads.data(), by_keys, rows_padded, k_tile.rows, count, dq_rows.data(), dim, dim);
+      } else {
+        tile_accumulate(grads.data(), by_rows, rows_padded, k_tile.rows, count, dq_rows.data(), dim, dim);
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       const Acc* line = dq_rows.data() + r * dim;
