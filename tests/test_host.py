@@ -594,13 +594,20 @@ def test_nonfinite_inputs_on_the_decode_path_get_the_python_paths_answer(monkeyp
         batch, seqlen_q, heads_kv, group = rng.choice([1, 2]), rng.choice([1, 2, 3]), rng.choice([1, 2]), rng.choice([1, 4])
         seqlen_k, head_dim, causal = rng.choice([2, 300, 1500]), rng.choice([8, 16]), rng.random() < 0.5
         dtype = rng.choice([torch.float32, torch.bfloat16, torch.float64])
-        g = torch.Generator().manual_seed(rng.randrange(2**31))
-        q = torch.randn(batch, seqlen_q, heads_kv * group, head_dim, generator=g).to(dtype)
-        k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=g).to(dtype) for _ in range(2))
-        assert module.own_decode_serves(q, k, v)
-        for _ in range(rng.choice([1, 2])):
-            _poison(rng, rng.choice([q, k, v]))
-        _assert_cpp_matches_python(q, k, v, causal, g)
+        _check_poisoned_decode_case(module, rng, (batch, seqlen_q, heads_kv, group, seqlen_k, head_dim), causal, dtype)
+
+
+def _check_poisoned_decode_case(module, rng, shape, causal, dtype):
+    """One fuzz case of the decode path: fresh inputs of `shape` (batch, seqlen_q, heads_kv, group, seqlen_k,
+    head_dim), one or two of them poisoned, the C++ answer against the Python path's."""
+    batch, seqlen_q, heads_kv, group, seqlen_k, head_dim = shape
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    q = torch.randn(batch, seqlen_q, heads_kv * group, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=g).to(dtype) for _ in range(2))
+    assert module.own_decode_serves(q, k, v)
+    for _ in range(rng.choice([1, 2])):
+        _poison(rng, rng.choice([q, k, v]))
+    _assert_cpp_matches_python(q, k, v, causal, g)
 
 
 KEY_MAJOR_FUZZ_CASES = 30
@@ -620,13 +627,7 @@ def test_nonfinite_inputs_on_key_major_decode_shapes_get_the_python_paths_answer
         group, seqlen_q = rng.choice([(1, 16), (4, 4), (2, 8)] + ([(4, 2)] if dtype == torch.float64 else []))
         batch, heads_kv = rng.choice([1, 2]), rng.choice([1, 2])
         seqlen_k, head_dim, causal = rng.choice([300, 1500]), rng.choice([8, 16]), rng.random() < 0.5
-        g = torch.Generator().manual_seed(rng.randrange(2**31))
-        q = torch.randn(batch, seqlen_q, heads_kv * group, head_dim, generator=g).to(dtype)
-        k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=g).to(dtype) for _ in range(2))
-        assert module.own_decode_serves(q, k, v)
-        for _ in range(rng.choice([1, 2])):
-            _poison(rng, rng.choice([q, k, v]))
-        _assert_cpp_matches_python(q, k, v, causal, g)
+        _check_poisoned_decode_case(module, rng, (batch, seqlen_q, heads_kv, group, seqlen_k, head_dim), causal, dtype)
 
 
 @needs_build
