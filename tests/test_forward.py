@@ -50,3 +50,15 @@ def test_varlen_problem_fields_by_name():
     assert lse.shape == (4, 30) and (f["lse_batch_stride"], f["lse_head_stride"]) == (0, 30)
     assert (f["batch"], f["seqlen_q"], f["seqlen_k"]) == (2, 20, 25)
     assert (f["window_left"], f["window_right"]) == (-1, -1)
+
+
+def test_a_plan_encodes_maps_once_per_address_and_forgets_them_past_its_bound():
+    kept, made = {}, []
+    make = lambda key: lambda: made.append(key) or bytes(key)  # noqa: E731
+    assert plans.kept_maps(kept, (1, 2), make((1, 2))) == bytes((1, 2))
+    assert plans.kept_maps(kept, (1, 2), make((1, 2))) == bytes((1, 2)) and made == [(1, 2)]
+    for i in range(plans.MAX_KEPT_MAPS - 1):
+        plans.kept_maps(kept, (3, i), make((3, i)))
+    assert len(kept) == plans.MAX_KEPT_MAPS
+    plans.kept_maps(kept, (4, 4), make((4, 4)))
+    assert kept == {(4, 4): bytes((4, 4))}

@@ -27,6 +27,17 @@ SCRATCH_ALIGN_FLOATS = 64    # scratch regions inside one fp32 buffer start on 2
 MAX_KEPT_MAPS = 64           # K/V address pairs a plan keeps maps for (a static KV cache, the allocator's reuse)
 
 
+def kept_maps(maps: dict, key: tuple[int, ...], make) -> bytes:
+    """The tensor maps a plan keeps for the addresses `key` (all forgotten once MAX_KEPT_MAPS are kept), `make()`
+    encoding them the first time."""
+    extra = maps.get(key)
+    if extra is None:
+        if len(maps) >= MAX_KEPT_MAPS:
+            maps.clear()
+        extra = maps[key] = make()
+    return extra
+
+
 def empty_outputs(q: torch.Tensor, out_shape: tuple[int, ...] | None, lse_shape: tuple[int, ...] | None):
     """The forward's output (like q, or `out_shape` when the v head dim differs) and its fp32 LSE if wanted."""
     o = torch.empty_like(q) if out_shape is None else q.new_empty(out_shape)
@@ -71,11 +82,7 @@ class FwdPlan:
         extra = None
         if self.kv_box is not None:
             key = addresses[1:3] if self.q_box is None else addresses[:3]
-            extra = self.maps.get(key)
-            if extra is None:
-                if len(self.maps) >= MAX_KEPT_MAPS:
-                    self.maps.clear()
-                extra = self.maps[key] = tma.kernel_argument(k, v, self.kv_box, q, self.q_box)
+            extra = kept_maps(self.maps, key, lambda: tma.kernel_argument(k, v, self.kv_box, q, self.q_box))
         launch.run(self.launches, addresses + self.tail, launch.PARAMS_STRUCT, extra)
         return o, lse
 
@@ -112,12 +119,7 @@ class BwdPlan:
         if self.boxes is None:
             return None
         key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr())
-        extra = self.maps.get(key)
-        if extra is None:
-            if len(self.maps) >= MAX_KEPT_MAPS:
-                self.maps.clear()
-            extra = self.maps[key] = tma.backward_argument(q, k, v, dout, self.boxes)
-        return extra
+        return kept_maps(self.maps, key, lambda: tma.backward_argument(q, k, v, dout, self.boxes))
 
     def run(self, dout, q, k, v, o, lse, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, grads=None,
             dlse=None):
