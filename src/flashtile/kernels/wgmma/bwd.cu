@@ -27,10 +27,11 @@
 //           step, at a named barrier of their own before dQ (dS^T is shared); dS^T (and P^T) alternate between
 //           two buffers, so that barrier is the only one. The rows' LSE and D the consumers bring themselves, a
 //           value a thread, one step ahead, into two buffers on the same barrier. A varlen sequence's last query
-//           tile is copied by the producer warp's cp.async instead, and its last key block by the consumers',
-//           which zero-fill the rows past the sequence (the copy engine would bring the next sequence's).
-//           Shared memory the consumers write is written by no other warp before them, save through the barriers
-//           racecheck follows (docs/notes.md: it follows none of the producer-consumer handovers).
+//           tile is copied by the producer warp's cp.async instead, and its last key block by the whole block's
+//           before the warpgroups part; both zero-fill the rows past the sequence (the copy engine would bring
+//           the next sequence's). Shared memory the consumers write was written before only by themselves or
+//           behind the block-wide barrier: racecheck follows neither mbarriers nor a named barrier after cp.async
+//           (docs/notes.md).
 // Beside:   mma/bwd.cu serves every other head dim, score modifications and GPUs before Hopper; this kernel
 //           shares its frame through common/bwd_frame.cuh (deterministic turns, epilogue, the preprocess and
 //           dQ-conversion kernels).
@@ -352,6 +353,17 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         }
         mbarrier_init_fence();
     }
+    if (tail_keys) {
+        // The copy engine would bring the next sequence's keys: the block copies K and V with cp.async, zero-filling
+        // past the sequence. (The consumers stage dK and dV over these tiles at the end: racecheck orders the two
+        // only by a block-wide barrier, not by an mbarrier or a named barrier of the consumers.)
+        copy_rows<KTile, kThreads>(k_smem, static_cast<const elem_t*>(f.k) + pr0.k_offset, f.k_row_stride,
+                                   f.head_dim, pr0.seqlen_k - n0, n0, threadIdx.x);
+        copy_rows<VTile, kThreads>(v_smem, static_cast<const elem_t*>(f.v) + pr0.v_offset, f.v_row_stride,
+                                   f.head_dim_v, pr0.seqlen_k - n0, n0, threadIdx.x);
+        cp_async_wait<0>();
+        fence_proxy_async();
+    }
     __syncthreads();  // the last block-wide barrier: from here on the warpgroups meet only at mbarriers
 
     // The maps see K, V, Q and dO as (head dim, rows, heads, batch), varlen sequences packed along the rows of one
@@ -445,20 +457,9 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         const i64 at = pr0.lse_offset + (i64)(head - h_first) * f.lse_head_stride + row;
         return ld_global_in_order((thread < kBlockM ? p.lse_log2 : p.dsum) + at);
     };
-    if (tail_keys) {
-        // The copy engine would bring the next sequence's keys: the consumers copy K and V themselves with cp.async,
-        // zero-filling past the sequence. (They stage dK and dV over these tiles at the end: racecheck follows their
-        // own barrier between the two, not the producer's mbarrier.)
-        copy_rows<KTile, kConsumerThreads>(k_smem, static_cast<const elem_t*>(f.k) + pr0.k_offset, f.k_row_stride,
-                                           f.head_dim, pr0.seqlen_k - n0, n0, thread);
-        copy_rows<VTile, kConsumerThreads>(v_smem, static_cast<const elem_t*>(f.v) + pr0.v_offset, f.v_row_stride,
-                                           f.head_dim_v, pr0.seqlen_k - n0, n0, thread);
-        cp_async_wait<0>();
-        fence_proxy_async();
-    }
     if (steps > 0 && thread < 2 * kBlockM) smem.rows[0][thread] = row_value(0);
     consumers_sync();
-    if (!tail_keys) mbarrier_wait(kv_full, 0);
+    if (!tail_keys) mbarrier_wait(kv_full, 0);  // (a tail block's K and V landed before the block's barrier)
 
     float dk[kGradAccumulators] = {};
     float dv[kGradAccumulators] = {};
