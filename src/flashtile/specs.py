@@ -587,10 +587,7 @@ class BwdWgmmaTile:
     stages: int
     why: str
     warps: int = 12  # a producer warpgroup and two consumer warpgroups
-    # dQ staged in shared memory and added by the producer warpgroup's second warp, one of DQ_WRITERS ("": the
-    # consumers add it with atomics), in the default mode and in the deterministic one.
-    dq_writer: str = ""
-    deterministic_dq_writer: str = ""
+    dq_writer: bool = False  # dQ staged in shared memory and added by the producer warpgroup's second warp
     # The producer warpgroup's registers after setmaxnreg (the consumers take the rest): 24 spills in the producer
     # at d128 and d256 (the prologue's values stay live into it) and in the dQ writer; d64 fits it.
     producer_registers: int = 32
@@ -603,7 +600,7 @@ BWD_WGMMA_TILES = {
                       producer_registers=24),
     128: BwdWgmmaTile(64, 128, 2, "keys split, dQ split by columns (64 per warpgroup); S^T, dP^T 32 and dK, dV 64 "
                                   "registers each; dQ by the writer warp; 195 KB. Faster than sdpa-flash and bwd.cu",
-                      dq_writer="bulk", deterministic_dq_writer="vector"),
+                      dq_writer=True),
     256: BwdWgmmaTile(64, 64, 2, "columns split: 64 keys shared by both warpgroups, each with half of dK, dV and dQ "
                                  "(64 registers each); warpgroup 0 S^T and P^T, warpgroup 1 dP^T and dS^T, both "
                                  "through shared memory; 226 KB. Faster than sdpa-flash and bwd_grid.cu; S^T/dP^T "
@@ -612,23 +609,19 @@ BWD_WGMMA_TILES = {
 # dS^T (and P^T) in two buffers that alternate by step: with no block barrier between steps, one warpgroup may
 # write the next step's while the other still reads this step's.
 BWD_SCORE_BUFFERS = 2
-# How the writer warp adds (wgmma/bwd.cu FT_DQ_WRITER): bulk reductions, which free the staged tile once they have
-# read it, or vector atomics from its registers. The deterministic mode passes a tile's turn only once its adds are
-# ordered: after the bulk reductions complete (cp.async.bulk.wait_group), but right after the vector ones issue.
-DQ_WRITERS = ("", "bulk", "vector")
 BWD_ROW_BUFFERS = 2  # the steps' LSE and D rows, which the consumers bring themselves, alternate the same way
 BWD_DQ_STAGE_PAD = 4  # floats after each staged dQ row (wgmma/bwd.cu kDqStageStride)
 
 
 def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
                    deterministic: bool = False) -> BwdWgmmaTile | None:
-    """The Hopper kernel's tile, or None where rung 4's kernels serve. The deterministic mode takes its own dQ
-    writer: a bulk writer's turns, each waiting for its reductions to complete, cost more than the consumers'
-    atomics (docs/notes.md, session eighteen)."""
+    """The Hopper kernel's tile, or None where rung 4's kernels serve. The deterministic mode adds dQ from the
+    consumers: the writer warp's turns, each waiting for its reductions to complete, cost more than the atomics'
+    (docs/notes.md, session eighteen)."""
     if arch != "sm_90a" or score_mods or d != dv:
         return None
     tile = BWD_WGMMA_TILES.get(d)
-    return replace(tile, dq_writer=tile.deterministic_dq_writer) if tile is not None and deterministic else tile
+    return replace(tile, dq_writer=False) if tile is not None and deterministic else tile
 
 
 def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
@@ -642,7 +635,7 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
     smem = -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", d), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0),
-               ("FT_WIDE_BLOCKS", 1), ("FT_DQ_WRITER", DQ_WRITERS.index(tile.dq_writer)),
+               ("FT_WIDE_BLOCKS", 1), ("FT_DQ_WRITER", int(tile.dq_writer)),
                ("FT_PRODUCER_REGISTERS", producer),
                ("FT_CONSUMER_REGISTERS", consumer_registers(tile.warps // WARPGROUP_WARPS - 1, producer)),
                *ROW_DEFINES)

@@ -54,20 +54,12 @@ constexpr int kConsumerBarrier = 1;  // named barrier of the consumers alone (0 
 #define FT_DQ_WRITER 0
 #endif
 // dQ leaves through a writer warp (the producer warpgroup's second): the consumers stage their fp32 pieces in
-// shared memory and the writer adds the tile's rows to the accumulator, with bulk reductions (kDqWriterBulk) or
-// with vector atomics from its registers (kDqWriterVector); otherwise the consumers add their pieces with
-// atomics. specs.py BWD_WGMMA_TILES says where.
-constexpr int kDqWriterBulk = 1, kDqWriterVector = 2;
-constexpr int kDqWriterKind = FT_DQ_WRITER;
-constexpr bool kDqWriter = kDqWriterKind != 0;
-static_assert(kDqWriterKind == 0 || kDqWriterKind == kDqWriterBulk || kDqWriterKind == kDqWriterVector,
-              "FT_DQ_WRITER: 0, 1 (bulk) or 2 (vector)");
+// shared memory and the writer adds the tile's rows to the accumulator with bulk reductions; otherwise the
+// consumers add their pieces with atomics. specs.py BWD_WGMMA_TILES says where.
+constexpr bool kDqWriter = FT_DQ_WRITER;
 constexpr int kWriterWarp = 1;
-// The hand-over of the staged tile. Bulk: the consumers arrive at "full" and the writer waits, the writer arrives
-// at "empty" once its reductions have read the tile and the consumers wait. Vector: both sides wait at both (the
-// writer's reads are generic ones, and racecheck follows only barriers that every side waits at).
-constexpr int kDqFullBarrier = 2;   // the consumers' pieces are staged
-constexpr int kDqEmptyBarrier = 3;  // the writer has read the staged tile
+constexpr int kDqFullBarrier = 2;   // the consumers' pieces are staged (consumers arrive, the writer waits)
+constexpr int kDqEmptyBarrier = 3;  // the writer has read the staged tile (the writer arrives, consumers wait)
 constexpr int kDqHandoffThreads = kConsumerThreads + kWarpSize;
 // A staged row: the head dim plus 16 bytes, so that the 8 rows of a fragment's float2 stores start 4 banks apart
 // and every row stays 16-byte aligned for its bulk reduction.
@@ -278,37 +270,6 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
     }
 }
 
-__device__ __forceinline__ void red_add4(float* address, float4 v) {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(address), "f"(v.x), "f"(v.y), "f"(v.z),
-                 "f"(v.w) : "memory");
-}
-
-// The writer warp by vector atomics: for each step, once the consumers have staged the tile's dQ, the lanes read
-// it 16 bytes at a time and add each to the accumulator with one vector reduction (rows past the sequence are not
-// added); the staging buffer is free once the reads have returned. Deterministic mode: lane 0 waits for the tile's
-// turn before the adds, and after the warp has issued them one fence-free release passes it on (as DqTurn's).
-__device__ __forceinline__ void write_dq_by_vectors(const BwdParams& p, const Mask& mask, const Problem& pr0, int b,
-                                                    int h_first, int n_block, int steps, int m_tiles, int m_hi,
-                                                    const float* stage, int lane) {
-    constexpr int kRowVectors = kHeadDim / 4;
-#pragma unroll 1
-    for (int step = 0; step < steps; ++step) {
-        const int head = h_first + step / m_tiles, m_tile = m_hi - 1 - step % m_tiles, m0 = m_tile * kBlockM;
-        named_barrier_sync(kDqEmptyBarrier, kDqHandoffThreads);
-        named_barrier_sync(kDqFullBarrier, kDqHandoffThreads);
-        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block, lane == 0);
-        __syncwarp();  // the other lanes' adds come after lane 0's acquire
-        float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * p.fwd.lse_head_stride + m0) * kHeadDim;
-        const int vectors = min(kBlockM, pr0.seqlen_q - m0) * kRowVectors;
-#pragma unroll 4
-        for (int i = lane; i < vectors; i += kWarpSize) {
-            const int r = i / kRowVectors, c = 4 * (i % kRowVectors);
-            red_add4(accum + r * kHeadDim + c, *reinterpret_cast<const float4*>(stage + r * kDqStageStride + c));
-        }
-        turn.pass([] { __syncwarp(); }, lane == 0);
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps maps) {
     extern __shared__ __align__(kSwizzleAtomBytes) unsigned char smem_raw[];
@@ -374,10 +335,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         // engine, into the ring as soon as a stage is free.
         setmaxnreg_dec<kProducerRegisters>();
         if (kDqWriter && warp == kWriterWarp) {
-            if constexpr (kDqWriterKind == kDqWriterVector)
-                write_dq_by_vectors(p, mask, pr0, b, h_first, n_block, steps, m_tiles, m_hi, smem.dq_stage, lane);
-            else
-                write_dq(p, mask, pr0, b, h_first, n_block, steps, m_tiles, m_hi, smem_addr(smem.dq_stage), lane);
+            write_dq(p, mask, pr0, b, h_first, n_block, steps, m_tiles, m_hi, smem_addr(smem.dq_stage), lane);
             return;
         }
         if (warp != 0) return;
@@ -589,7 +547,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         fence_operands(dq);
 
         if constexpr (kDqWriter) {
-            // Stage the piece once the writer has read the last tile, then publish it to the writer.
+            // Stage the piece once the writer has read the last tile, publish it to the writer's bulk reads.
             named_barrier_sync(kDqEmptyBarrier, kDqHandoffThreads);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -599,12 +557,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
                     *reinterpret_cast<float2*>(smem.dq_stage + row * kDqStageStride + dq_col0 + j * kMmaN + 2 * t) =
                         make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
             }
-            if constexpr (kDqWriterKind == kDqWriterVector) {
-                named_barrier_sync(kDqFullBarrier, kDqHandoffThreads);
-            } else {
-                fence_proxy_async();
-                named_barrier_arrive(kDqFullBarrier, kDqHandoffThreads);
-            }
+            fence_proxy_async();
+            named_barrier_arrive(kDqFullBarrier, kDqHandoffThreads);
         } else {
             float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
 #pragma unroll
