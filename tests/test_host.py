@@ -487,6 +487,12 @@ DECODE_CASES = [
     (1, 4, 700, 8, 2, 32, True, torch.bfloat16),     # 16 rows (a group of four at four queries), causal
     (1, 2, 600, 8, 2, 24, True, torch.float64),      # 8 rows: key-major in fp64, causal, a padded head dim
     (2, 16, 300, 4, 2, 16, True, torch.float16),     # 32 rows: two vectors of rows a key, causal
+    # Rows of four and eight at small head dims: the tile of keys transposed in registers, keys in the lanes
+    (1, 4, 1100, 1, 1, 16, False, torch.float32),    # 4 rows (MHA at four queries), split
+    (2, 8, 500, 2, 2, 32, True, torch.float32),      # 8 rows, causal
+    (1, 2, 900, 8, 2, 16, True, torch.bfloat16),     # 8 rows (a group of four at two queries), causal
+    (1, 4, 400, 4, 4, 8, True, torch.float64),       # 4 rows in fp64, a head dim the tiles pad
+    (1, 1, 600, 4, 1, 12, True, torch.float32),      # 4 rows (a group of four at one query), a padded head dim
 ]
 
 
@@ -520,7 +526,7 @@ def test_the_decode_path_matches_the_fp64_reference_with_the_lse_and_its_gradien
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(trained, leaves, dout), dlse_free))
 
 
-STRIDED_DECODE_CASES = DECODE_CASES[:4] + DECODE_CASES[8:9]
+STRIDED_DECODE_CASES = DECODE_CASES[:4] + DECODE_CASES[8:9] + DECODE_CASES[12:13]
 
 
 @needs_build
@@ -627,6 +633,27 @@ def test_nonfinite_inputs_on_key_major_decode_shapes_get_the_python_paths_answer
         group, seqlen_q = rng.choice([(1, 16), (4, 4), (2, 8)] + ([(4, 2)] if dtype == torch.float64 else []))
         batch, heads_kv = rng.choice([1, 2]), rng.choice([1, 2])
         seqlen_k, head_dim, causal = rng.choice([300, 1500]), rng.choice([8, 16]), rng.random() < 0.5
+        _check_poisoned_decode_case(module, rng, (batch, seqlen_q, heads_kv, group, seqlen_k, head_dim), causal, dtype)
+
+
+TRANSPOSED_TILE_FUZZ_CASES = 30
+
+
+@needs_build
+def test_nonfinite_inputs_where_rows_of_four_and_eight_transpose_the_tile_get_the_python_paths_answer(monkeypatch):
+    """As the fuzz above, where a kv head has four or eight rows at small head dims (MHA at four or eight queries,
+    a group of four at one or two), so that each tile of keys is transposed in registers and the scores come with
+    the keys in the lanes: causal masks cut rows key by key, keys split in parts past 1024."""
+    import random
+
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    module = host.extension()
+    rng = random.Random(13)
+    for _ in range(TRANSPOSED_TILE_FUZZ_CASES):
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float64])
+        group, seqlen_q = rng.choice([(1, 4), (1, 8), (4, 1), (4, 2), (2, 4)])
+        batch, heads_kv = rng.choice([1, 2]), rng.choice([1, 2])
+        seqlen_k, head_dim, causal = rng.choice([300, 1500]), rng.choice([8, 16, 32]), rng.random() < 0.5
         _check_poisoned_decode_case(module, rng, (batch, seqlen_q, heads_kv, group, seqlen_k, head_dim), causal, dtype)
 
 

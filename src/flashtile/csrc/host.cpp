@@ -1276,18 +1276,89 @@ FT_KERNEL_INLINE void tile_dots_t(const Acc* a, int64_t lda, int64_t rows, const
   }
 }
 
-// A tile's dot products either fold (tile_dots_t: per row and tile, dim multiply-adds, about dim / 2 loads, and
-// the fold's 3 (lanes - 1) shuffles and adds) or first transpose the tile (a move per element, lanes x dim), then
-// take one multiply-add per row and element, as product_t does. The transpose pays where
-// rows x (3 (lanes - 1) + dim / 2) > lanes x dim: small head dims, many rows; so it measured (notes.md, "The
-// decode path"). Its buffer is on the stack: head dims up to kDecodeTransposeDim.
+// One stage of a tile's transpose in registers: of x and y (vectors H lanes apart in the stage's pairing), the
+// first (or, Second, the second) of the pair with their off-diagonal blocks of H lanes swapped. After the stages
+// H = lanes / 2, ..., 1, vector i holds lane i of every input vector.
+template <class Acc, int64_t H, bool Second>
+constexpr int swap_lane(size_t t) {
+  constexpr int64_t lanes = kDecodeTileKeys<Acc>;
+  const int64_t u = static_cast<int64_t>(t);
+  if ((u & H) == 0) return static_cast<int>(Second ? u + H : u);
+  return static_cast<int>(Second ? lanes + u : lanes + u - H);
+}
+
+template <class Acc, int64_t H, bool Second, size_t... T>
+FT_KERNEL_INLINE VectorOf<Acc> swap_blocks(const VectorOf<Acc>& x, const VectorOf<Acc>& y,
+                                           std::index_sequence<T...>) {
+#if defined(__clang__)
+  return __builtin_shufflevector(x, y, swap_lane<Acc, H, Second>(T)...);
+#else
+  return __builtin_shuffle(x, y, IndexOf<Acc>{swap_lane<Acc, H, Second>(T)...});
+#endif
+}
+
+template <class Acc, int64_t H>
+FT_KERNEL_INLINE void transpose_stage(VectorOf<Acc>* x) {
+  constexpr auto lanes = std::make_index_sequence<kDecodeTileKeys<Acc>>();
+  for (int64_t i = 0; i < kDecodeTileKeys<Acc>; ++i) {
+    if (i & H) continue;
+    const VectorOf<Acc> a = x[i], b = x[i + H];
+    x[i] = swap_blocks<Acc, H, false>(a, b, lanes);
+    x[i + H] = swap_blocks<Acc, H, true>(a, b, lanes);
+  }
+  if constexpr (H > 1) transpose_stage<Acc, H / 2>(x);
+}
+
+// keys_t[e * lanes + j] = keys[j][e] for the tile's keys j and e < dim (a multiple of the lanes): a lanes x lanes
+// block at a time, in registers (log2(lanes) stages of a two-vector shuffle per vector).
+template <class Acc>
+FT_KERNEL_INLINE void transpose_tile(const Acc* const* keys, int64_t dim, Acc* keys_t) {
+  constexpr int64_t kLanesPer = kDecodeTileKeys<Acc>;
+  for (int64_t e0 = 0; e0 < dim; e0 += kLanesPer) {
+    VectorOf<Acc> x[kLanesPer];
+    for (int64_t j = 0; j < kLanesPer; ++j) x[j] = load_lanes(keys[j] + e0);
+    transpose_stage<Acc, kLanesPer / 2>(x);
+    for (int64_t i = 0; i < kLanesPer; ++i) store_lanes(keys_t + (e0 + i) * kLanesPer, x[i]);
+  }
+}
+
+// Independent chains of multiply-adds a register tile keeps, at least: FMA latency x the ports that issue them
+// (4 x 2 on current x86); fewer leave a tile's products waiting on their own sums.
+constexpr int64_t kDecodeChains = 8;
+
+// s[r * lds + j] = a_r . keys_t[., j] for r < rows (a multiple of R) and the tile's keys j, from the transposed
+// tile: the keys in a vector's lanes, one multiply-add per row and element; where R rows are fewer chains than
+// kDecodeChains, the elements split among that many sets of accumulators.
+template <int64_t R, class Acc>
+FT_KERNEL_INLINE void lanes_dots_t(const Acc* a, int64_t lda, int64_t rows, const Acc* keys_t, int64_t dim, Acc* s,
+                                   int64_t lds) {
+  constexpr int64_t kLanesPer = kDecodeTileKeys<Acc>, kSets = R >= kDecodeChains ? 1 : kDecodeChains / R;
+  for (int64_t r0 = 0; r0 < rows; r0 += R) {
+    VectorOf<Acc> sums[kSets][R] = {};
+    for (int64_t e0 = 0; e0 < dim; e0 += kSets) {
+      for (int64_t u = 0; u < kSets; ++u) {
+        const VectorOf<Acc> line = load_lanes(keys_t + (e0 + u) * kLanesPer);
+        for (int64_t r = 0; r < R; ++r) sums[u][r] += a[(r0 + r) * lda + e0 + u] * line;
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t u = 1; u < kSets; ++u) sums[0][r] += sums[u][r];
+      store_lanes(s + (r0 + r) * lds, sums[0][r]);
+    }
+  }
+}
+
+// A tile's dot products either fold (tile_dots_t: per row, dim multiply-adds and the fold's share, 3 (lanes - 1)
+// shuffles and adds) or first transpose the tile in registers (log2(lanes) shuffles, a store and a load per element
+// of the tile, whatever the rows), then take one multiply-add per row and element. The transpose pays where
+// dim (log2(lanes) + 2) < 3 (lanes - 1) rows: small head dims, several rows (notes.md, "Rows of four and eight").
+// Its buffer is on the stack: head dims up to kDecodeTransposeDim.
 constexpr int64_t kDecodeTransposeDim = 256;
 
 template <class Acc>
 inline bool transpose_pays(int64_t rows, int64_t dim) {
-  constexpr int64_t lanes = kDecodeTileKeys<Acc>;
-  return dim <= kDecodeTransposeDim && rows % kDecodeRowTile == 0 &&
-         rows * (6 * (lanes - 1) + dim) > 2 * lanes * dim;
+  constexpr int64_t lanes = kDecodeTileKeys<Acc>, stages = lanes == 16 ? 4 : 3;
+  return dim <= kDecodeTransposeDim && rows % kDecodeRowTile == 0 && dim * (stages + 2) < 3 * (lanes - 1) * rows;
 }
 
 // tile_dots_t, or the transposed tile's product, for `rows` as decode_rows_padded gives them.
@@ -1296,11 +1367,13 @@ FT_KERNEL_INLINE void tile_dots(const Acc* a, int64_t lda, int64_t rows, const A
                                 int64_t lds) {
   constexpr int64_t kKeys = kDecodeTileKeys<Acc>;
   if (transpose_pays<Acc>(rows, dim)) {
-    Acc keys_t[kDecodeTransposeDim * kKeys];
-    for (int64_t e = 0; e < dim; ++e) {
-      for (int64_t j = 0; j < kKeys; ++j) keys_t[e * kKeys + j] = keys[j][e];
+    alignas(kVectorBytes) Acc keys_t[kDecodeTransposeDim * kKeys];
+    transpose_tile(keys, dim, keys_t);
+    if (rows % (2 * kDecodeRowTile) == 0) {
+      lanes_dots_t<2 * kDecodeRowTile>(a, lda, rows, keys_t, dim, s, lds);
+    } else {
+      lanes_dots_t<kDecodeRowTile>(a, lda, rows, keys_t, dim, s, lds);
     }
-    product_t<kDecodeRowTile, kKeys>(a, lda, keys_t, kKeys, s, lds, rows, dim, kKeys);
     return;
   }
   if (rows == 1) {
