@@ -588,16 +588,11 @@ class BwdWgmmaTile:
     why: str
     warps: int = 12  # a producer warpgroup and two consumer warpgroups
     dq_writer: bool = False  # dQ staged in shared memory and added by the producer warpgroup's second warp
-    # The producer warpgroup's registers after setmaxnreg (the consumers take the rest): 24 spills in the producer
-    # at d128 and d256 (the prologue's values stay live into it) and in the dQ writer; d64 fits it.
-    producer_registers: int = 32
 
 
 BWD_WGMMA_TILES = {
     64: BwdWgmmaTile(128, 128, 2, "keys split, dQ split by rows (64 queries per warpgroup); 163 KB. Faster than "
-                                  "sdpa-flash and bwd.cu; the dQ writer warp measured slower here (notes.md); the "
-                                  "producer fits 24 registers, so the consumers keep 240",
-                      producer_registers=24),
+                                  "sdpa-flash and bwd.cu; the dQ writer warp measured slower here (notes.md)"),
     128: BwdWgmmaTile(64, 128, 2, "keys split, dQ split by columns (64 per warpgroup); S^T, dP^T 32 and dK, dV 64 "
                                   "registers each; dQ by the writer warp; 195 KB. Faster than sdpa-flash and bwd.cu",
                       dq_writer=True),
@@ -609,8 +604,10 @@ BWD_WGMMA_TILES = {
 # dS^T (and P^T) in two buffers that alternate by step: with no block barrier between steps, one warpgroup may
 # write the next step's while the other still reads this step's.
 BWD_SCORE_BUFFERS = 2
-BWD_ROW_BUFFERS = 2  # the steps' LSE and D rows, which the consumers bring themselves, alternate the same way
 BWD_DQ_STAGE_PAD = 4  # floats after each staged dQ row (wgmma/bwd.cu kDqStageStride)
+# With the dQ writer the producer warpgroup also issues dQ's reductions: at 24 registers it spilled; at 32 the
+# consumers keep 232, which the d128 build fits. Without it the producer keeps PRODUCER_REGISTERS.
+DQ_WRITER_PRODUCER_REGISTERS = 32
 
 
 def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
@@ -628,9 +625,9 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
     m, n, stages = tile.block_m, tile.block_n, tile.stages
     split_columns = n == WGMMA_M  # one key block for both warpgroups: P^T goes through shared memory as well
     score_tiles = BWD_SCORE_BUFFERS * (1 + split_columns) * n * m  # dS^T (and P^T), two steps' worth
-    producer = tile.producer_registers
+    producer = DQ_WRITER_PRODUCER_REGISTERS if tile.dq_writer else PRODUCER_REGISTERS
     dq_stage = m * (d + BWD_DQ_STAGE_PAD) * 4 if tile.dq_writer else 0  # fp32 rows, each padded by 16 bytes
-    storage = ((2 * n * d + 2 * stages * m * d + score_tiles) * ELEM_BYTES + 2 * BWD_ROW_BUFFERS * m * 4 + dq_stage
+    storage = ((2 * n * d + 2 * stages * m * d + score_tiles) * ELEM_BYTES + 2 * stages * m * 4 + dq_stage
                + (1 + 2 * stages) * MBARRIER_BYTES)
     smem = -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", d), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),

@@ -22,16 +22,12 @@
 //               reading all of K and V in both warpgroups, made that phase bound by shared-memory bandwidth.)
 //           Every operand starts on a 128-byte column block.
 //           Loads: a producer warp (warpgroup 0, its registers given to the consumers by setmaxnreg) brings K and
-//           V once and each step's Q and dO by the tensor memory accelerator, into a ring of kStages stages with
-//           a "full" and an "empty" mbarrier each. The consumers wait only for the stage they need and meet once a
-//           step, at a named barrier of their own before dQ (dS^T is shared); dS^T (and P^T) alternate between
-//           two buffers, so that barrier is the only one. The rows' LSE and D the consumers bring themselves, a
-//           value a thread, one step ahead, into two buffers on the same barrier. A varlen sequence's last query
-//           tile is copied by the producer warp's cp.async instead, and its last key block by the whole block's
-//           before the warpgroups part; both zero-fill the rows past the sequence (the copy engine would bring
-//           the next sequence's). Shared memory the consumers write was written before only by themselves or
-//           behind the block-wide barrier: racecheck follows neither mbarriers nor a named barrier after cp.async
-//           (docs/notes.md).
+//           V once and each step's Q and dO by the tensor memory accelerator, and the rows' LSE and D through
+//           its registers, into a ring of kStages stages with a "full" and an "empty" mbarrier each. The consumers
+//           wait only for the stage they need and meet once a step, at a named barrier of their own before dQ
+//           (dS^T is shared); dS^T (and P^T) alternate between two buffers, so that barrier is the only one.
+//           A varlen sequence's last query tile or key block is copied by the warp's cp.async instead, which
+//           zero-fills the rows past the sequence (the copy engine would bring the next sequence's).
 // Beside:   mma/bwd.cu serves every other head dim, score modifications and GPUs before Hopper; this kernel
 //           shares its frame through common/bwd_frame.cuh (deterministic turns, epilogue, the preprocess and
 //           dQ-conversion kernels).
@@ -102,11 +98,6 @@ constexpr int kScoreBuffers = 2;
 template <bool kShared> struct ProbabilityTile { elem_t p[kScoreBuffers][DsTile::kElems]; };
 template <> struct ProbabilityTile<false> { static constexpr elem_t (*p)[DsTile::kElems] = nullptr; };
 
-// The steps' LSE and D rows alternate between two buffers the same way: the consumers store the next step's
-// before this step's barrier, and racecheck follows that barrier (not the ring's mbarriers: docs/notes.md).
-constexpr int kRowBuffers = 2;
-static_assert(2 * kBlockM <= kConsumerThreads, "a consumer brings one of a step's LSE and D values");
-
 // The staged dQ tile, only with the writer warp (the empty base takes no space).
 template <bool kStaged> struct DqStage { float dq_stage[kBlockM * kDqStageStride]; };
 template <> struct DqStage<false> { static constexpr float* dq_stage = nullptr; };
@@ -117,9 +108,10 @@ struct __align__(kSwizzleAtomBytes) SharedStorage : ProbabilityTile<!kSplitKeys>
     elem_t q[kStages][QTile::kElems];
     elem_t dout[kStages][DoTile::kElems];
     elem_t ds[kScoreBuffers][DsTile::kElems];
-    float rows[kRowBuffers][2 * kBlockM];  // a step's LSE (base 2), then D, of its query rows
+    float lse_log2[kStages][kBlockM];
+    float dsum[kStages][kBlockM];
     u64 kv_full;                 // K and V have landed
-    u64 full[kStages];           // a step's Q and dO have landed
+    u64 full[kStages];           // a step's Q, dO (the copy engine) and LSE, D (the producer warp's lanes)
     u64 empty[kStages];          // every consumer warp is done with the stage
 };
 
@@ -181,31 +173,22 @@ __device__ __forceinline__ void load_fragments(u32 (&a)[kScoreSteps][4], const e
         }
 }
 
-// A global load that stays where it stands (asm volatile keeps program order): issued at the start of a step, it
-// has landed by the step's barrier.
-__device__ __forceinline__ float ld_global_in_order(const float* address) {
-    float value;
-    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(value) : "l"(address));
-    return value;
-}
-
 // A warp's 16 rows of a warpgroup's accumulators as stage_tile takes them (one slab of n8 tiles).
 template <int kAccumulators>
 __device__ __forceinline__ const float (&as_slab(const float (&acc)[kAccumulators]))[1][kAccumulators / 4][4] {
     return *reinterpret_cast<const float(*)[1][kAccumulators / 4][4]>(&acc[0]);
 }
 
-// Rows [row0, row0 + Tile's rows) of a row-major matrix into a tile in shared memory by kCopyThreads threads'
-// cp.async (`thread` this one's index among them), rows from `valid_rows` on and columns past `dim` as zeros (16
-// bytes a copy, in the 128-byte swizzle the copy engine writes). A loop, not unrolled: the producer has few
-// registers, and this serves only a varlen sequence's last tiles.
-template <typename Tile, int kCopyThreads = kWarpSize>
+// Rows [row0, row0 + Tile's rows) of a row-major matrix into a tile in shared memory by one warp's cp.async, rows
+// from `valid_rows` on and columns past `dim` as zeros (16 bytes a copy, in the 128-byte swizzle the copy engine
+// writes). A loop, not unrolled: the producer has few registers, and this serves only a varlen sequence's last tile.
+template <typename Tile>
 __device__ __forceinline__ void copy_rows(u32 tile, const elem_t* matrix, i64 row_stride, int dim, int valid_rows,
-                                          int row0, int thread) {
+                                          int row0, int lane) {
     constexpr int kChunksPerRow = Tile::kBlockCols / kElemsPerVector, kRowChunks = kChunksPerRow * Tile::kColBlocks;
     constexpr int kTileRows = Tile::kElems / (Tile::kBlockCols * Tile::kColBlocks);
 #pragma unroll 1
-    for (int idx = thread; idx < kTileRows * kRowChunks; idx += kCopyThreads) {
+    for (int idx = lane; idx < kTileRows * kRowChunks; idx += kWarpSize) {
         const int row = idx / kRowChunks, col_chunk = idx % kRowChunks;
         const int blk = col_chunk / kChunksPerRow, chunk = col_chunk % kChunksPerRow;
         const int col = col_chunk * kElemsPerVector;
@@ -291,7 +274,6 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
     const int n1 = min(n0 + kBlockN, pr0.seqlen_k);
     const Mask mask(f.window_left, f.window_right, pr0.seqlen_q, pr0.seqlen_k);
     const bool varlen = f.cu_seqlens_q != nullptr;
-    const bool tail_keys = varlen && n0 + kBlockN > pr0.seqlen_k;  // a varlen sequence's last key block
 
     const QueryTiles visited = visited_query_tiles(f, mask, pr0.seqlen_q, n0, n1);
     const int m_hi = visited.hi, m_tiles = visited.hi - visited.lo;
@@ -300,30 +282,19 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
 
     const u32 k_smem = smem_addr(smem.k), v_smem = smem_addr(smem.v), ds_smem = smem_addr(smem.ds[0]);
     const u32 q_smem = smem_addr(smem.q[0]), do_smem = smem_addr(smem.dout[0]);
-    const u32 rows_smem = smem_addr(smem.rows[0]);
+    const u32 lse_smem = smem_addr(smem.lse_log2[0]), dsum_smem = smem_addr(smem.dsum[0]);
     const u32 kv_full = smem_addr(&smem.kv_full), full = smem_addr(&smem.full[0]), empty = smem_addr(&smem.empty[0]);
     constexpr u32 kQStageBytes = QTile::kElems * kElemBytes, kDoStageBytes = DoTile::kElems * kElemBytes;
-    constexpr u32 kRowBufferBytes = 2 * kBlockM * sizeof(float);
+    constexpr u32 kRowStageBytes = kBlockM * sizeof(float);
     constexpr u32 kDsBufferBytes = DsTile::kElems * kElemBytes;
 
     if (threadIdx.x == kProducerThread) {
         mbarrier_init(kv_full, 1);
         for (int s = 0; s < kStages; ++s) {
-            mbarrier_init(full + s * kMbarrierBytes, 1);  // the copy engine's bytes (or the warp's cp.async)
+            mbarrier_init(full + s * kMbarrierBytes, 1 + kWarpSize);  // the copy engine's bytes, the warp's lanes
             mbarrier_init(empty + s * kMbarrierBytes, kConsumerWarps);
         }
         mbarrier_init_fence();
-    }
-    if (tail_keys) {
-        // The copy engine would bring the next sequence's keys: the block copies K and V with cp.async, zero-filling
-        // past the sequence. (The consumers stage dK and dV over these tiles at the end: racecheck orders the two
-        // only by a block-wide barrier, not by an mbarrier or a named barrier of the consumers.)
-        copy_rows<KTile, kThreads>(k_smem, static_cast<const elem_t*>(f.k) + pr0.k_offset, f.k_row_stride,
-                                   f.head_dim, pr0.seqlen_k - n0, n0, threadIdx.x);
-        copy_rows<VTile, kThreads>(v_smem, static_cast<const elem_t*>(f.v) + pr0.v_offset, f.v_row_stride,
-                                   f.head_dim_v, pr0.seqlen_k - n0, n0, threadIdx.x);
-        cp_async_wait<0>();
-        fence_proxy_async();
     }
     __syncthreads();  // the last block-wide barrier: from here on the warpgroups meet only at mbarriers
 
@@ -331,15 +302,24 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
     // batch entry; rows past the tensor read as zeros.
     const int map_batch = varlen ? 0 : b;
     if (warpgroup == 0) {
-        // Producer: K and V once (save a varlen sequence's last key block), then each step's Q and dO by the copy
-        // engine, into the ring as soon as a stage is free.
+        // Producer: K and V once, then each step's Q and dO by the copy engine and its rows' LSE (base 2) and D by
+        // the warp's lanes (rows past the sequence read as zeros), into the ring as soon as a stage is free.
         setmaxnreg_dec<kProducerRegisters>();
         if (kDqWriter && warp == kWriterWarp) {
             write_dq(p, mask, pr0, b, h_first, n_block, steps, m_tiles, m_hi, smem_addr(smem.dq_stage), lane);
             return;
         }
         if (warp != 0) return;
-        if (!tail_keys && lane == 0) {
+        if (varlen && n0 + kBlockN > pr0.seqlen_k) {  // the sequence's last key block: as a last query tile below
+            copy_rows<KTile>(k_smem, static_cast<const elem_t*>(f.k) + pr0.k_offset, f.k_row_stride, f.head_dim,
+                             pr0.seqlen_k - n0, n0, lane);
+            copy_rows<VTile>(v_smem, static_cast<const elem_t*>(f.v) + pr0.v_offset, f.v_row_stride, f.head_dim_v,
+                             pr0.seqlen_k - n0, n0, lane);
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(kv_full);
+        } else if (lane == 0) {
             mbarrier_arrive_expect_bytes(kv_full, (KTile::kElems + VTile::kElems) * kElemBytes);
 #pragma unroll
             for (int blk = 0; blk < kHeadDim / kSwizzleRowElems; ++blk) {
@@ -379,12 +359,29 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
                                 blk * kSwizzleRowElems, q_row0 + m0, head, map_batch, bar);
                 }
             }
+            // The rows' LSE and D through registers: each lane's arrival (a release) publishes its stores.
+            // (The rows' offset worked out again each step, as the varlen tail's above.)
+            const i64 lse_row0 = locate_problem(f, opaque(b), head).lse_offset;
+            float lse_rows[kBlockM / kWarpSize], dsum_rows[kBlockM / kWarpSize];
+#pragma unroll
+            for (int i = 0; i < kBlockM / kWarpSize; ++i) {
+                const int row = m0 + lane + i * kWarpSize;
+                const i64 at = lse_row0 + row;
+                const bool valid = row < pr0.seqlen_q;
+                lse_rows[i] = valid ? p.lse_log2[at] : 0.f;
+                dsum_rows[i] = valid ? p.dsum[at] : 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < kBlockM / kWarpSize; ++i) {
+                smem.lse_log2[stage][lane + i * kWarpSize] = lse_rows[i];
+                smem.dsum[stage][lane + i * kWarpSize] = dsum_rows[i];
+            }
             if (by_warp) {
                 cp_async_wait<0>();
                 fence_proxy_async();
-                __syncwarp();
                 if (lane == 0) mbarrier_arrive(bar);  // in place of the copy engine's arrival
             }
+            mbarrier_arrive(bar);
         }
         return;
     }
@@ -405,19 +402,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
     const u32 grad_block = (grad_col0 / kSwizzleRowElems);  // dO's and Q's first column block for dV and dK
     const float log2_factor = f.scale_log2;
 
-    const int thread = threadIdx.x - kWarpgroupThreads;  // among the consumers
-
-    // The step's LSE (base 2) and D: consumer `thread` brings one value of a query row (rows past the sequence
-    // read as zeros); the step before stores it into the other buffer ahead of its barrier.
-    auto row_value = [&](int step) {
-        const int head = h_first + step / m_tiles, row = m_tile_of(step) * kBlockM + thread % kBlockM;
-        if (thread >= 2 * kBlockM || row >= pr0.seqlen_q) return 0.f;
-        const i64 at = pr0.lse_offset + (i64)(head - h_first) * f.lse_head_stride + row;
-        return ld_global_in_order((thread < kBlockM ? p.lse_log2 : p.dsum) + at);
-    };
-    if (steps > 0 && thread < 2 * kBlockM) smem.rows[0][thread] = row_value(0);
-    consumers_sync();
-    if (!tail_keys) mbarrier_wait(kv_full, 0);  // (a tail block's K and V landed before the block's barrier)
+    mbarrier_wait(kv_full, 0);
 
     float dk[kGradAccumulators] = {};
     float dv[kGradAccumulators] = {};
@@ -425,10 +410,9 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
     auto step_body = [&](int step, int stage, bool masked) {
         const int head = h_first + step / m_tiles, m_tile = m_tile_of(step), m0 = m_tile * kBlockM;
         const int g = (threadIdx.x % kWarpSize) / kQuad, t = threadIdx.x % kQuad;
-        const float next_row_value = step + 1 < steps ? row_value(step + 1) : 0.f;
         const u32 sq = q_smem + stage * kQStageBytes, sdo = do_smem + stage * kDoStageBytes;
-        const u32 lse_row = rows_smem + step % kRowBuffers * kRowBufferBytes + 2 * t * sizeof(float);  // column 0
-        const u32 dsum_row = lse_row + kBlockM * sizeof(float);
+        const u32 row_values = stage * kRowStageBytes + 2 * t * sizeof(float);  // this lane's column 0
+        const u32 lse_row = lse_smem + row_values, dsum_row = dsum_smem + row_values;
         const int buffer = step % kScoreBuffers;
         elem_t* const ds_tile = smem.ds[buffer];
         const u32 ds_buffer = ds_piece + buffer * kDsBufferBytes;
@@ -519,7 +503,6 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
             }
         }
         fence_proxy_async();
-        if (thread < 2 * kBlockM) smem.rows[(step + 1) % kRowBuffers][thread] = next_row_value;
         // Deterministic mode: wait for this dQ tile's turn (the writer warp waits instead, where there is one).
         const DqTurn turn(p, mask, b, head, m_tile, m0, n_block, !kDqWriter && threadIdx.x == kWarpgroupThreads);
         consumers_sync();
@@ -582,22 +565,23 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         const int stage = step % kStages, m0 = m_tile_of(step) * kBlockM;
         mbarrier_wait(full + stage * kMbarrierBytes, (step / kStages) & 1);
         step_body(step, stage, !mask.tile_unmasked(m0, min(m0 + kBlockM, pr0.seqlen_q), n0, n0 + kBlockN));
-        __syncwarp();  // every lane's products on the stage before the warp's release
+        __syncwarp();  // every lane's reads of the stage (LSE and D) before the warp's release
         if (lane == 0) mbarrier_arrive(empty + stage * kMbarrierBytes);
     }
 
-    const int slab_row0 = key0 + (warp % kWarpgroupWarps) * kMmaM;
-    elem_t* const dk_rows = static_cast<elem_t*>(p.dk) + row_offset(p.dk_batch_stride, p.dk_row_stride,
-                                                                     p.dk_head_stride, b, pr0.k_start, h_kv);
-    elem_t* const dv_rows = static_cast<elem_t*>(p.dv) + row_offset(p.dv_batch_stride, p.dv_row_stride,
-                                                                     p.dv_head_stride, b, pr0.k_start, h_kv);
     // Every consumer is past its last product (which read K): K and V's tiles are free to stage dK and dV.
     consumers_sync();
+    const int thread = threadIdx.x - kWarpgroupThreads;  // among the consumers
+    const int slab_row0 = key0 + (warp % kWarpgroupWarps) * kMmaM;
     stage_tile<KTile>(smem.k, as_slab(dk), f.softmax_scale, slab_row0, grad_col0);
     stage_tile<VTile>(smem.v, as_slab(dv), 1.f, slab_row0, grad_col0);
     consumers_sync();
-    store_tile<KTile, kHeadDim, kConsumerThreads>(smem.k, dk_rows, p.dk_row_stride, f.head_dim, n0, pr0.seqlen_k,
-                                                  thread);
-    store_tile<VTile, kHeadDimV, kConsumerThreads>(smem.v, dv_rows, p.dv_row_stride, f.head_dim_v, n0, pr0.seqlen_k,
-                                                   thread);
+    store_tile<KTile, kHeadDim, kConsumerThreads>(
+        smem.k, static_cast<elem_t*>(p.dk) + row_offset(p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b,
+                                                        pr0.k_start, h_kv),
+        p.dk_row_stride, f.head_dim, n0, pr0.seqlen_k, thread);
+    store_tile<VTile, kHeadDimV, kConsumerThreads>(
+        smem.v, static_cast<elem_t*>(p.dv) + row_offset(p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b,
+                                                        pr0.k_start, h_kv),
+        p.dv_row_stride, f.head_dim_v, n0, pr0.seqlen_k, thread);
 }
