@@ -504,7 +504,13 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         }
         fence_proxy_async();
         // Deterministic mode: wait for this dQ tile's turn (the writer warp waits instead, where there is one).
-        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block, !kDqWriter && threadIdx.x == kWarpgroupThreads);
+        // Split keys take it once dQ is in the registers, so that a turn is held for the adds alone; split columns
+        // before the step's barrier (after it their dV and dK products are in flight, and the turn's registers
+        // would spill).
+        auto take_turn = [&](bool wait) {
+            return DqTurn(p, mask, b, head, m_tile, m0, n_block, wait && !kDqWriter && threadIdx.x == kWarpgroupThreads);
+        };
+        const DqTurn early_turn = take_turn(!kSplitKeys);
         consumers_sync();
 
         // dQ = dS K for this warpgroup's piece: A = dS, i.e. dS^T's rows read MN-major (a k16 step is 16 keys,
@@ -528,6 +534,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         }
         wgmma_wait<kSplitKeys ? 0 : 1>();
         fence_operands(dq);
+        const DqTurn turn = kSplitKeys ? take_turn(true) : early_turn;
+        if (kSplitKeys && !kDqWriter && turn.turn != nullptr) consumers_sync();  // the leader's acquire, for all
 
         if constexpr (kDqWriter) {
             // Stage the piece once the writer has read the last tile, publish it to the writer's bulk reads.
