@@ -1,5 +1,6 @@
 """Run-time compilation: the params struct layout, the disk cache, locking, corruption, faults, threads, errors."""
 
+import dataclasses
 import errno
 import json
 import multiprocessing
@@ -80,6 +81,26 @@ def test_cache_round_trip_and_readable_names(cache_dir):
     jit.clear_memo()
     second = jit.compile_spec(SPEC)
     assert second.origin == "disk" and second.cubin == first.cubin and second.resources == first.resources
+
+
+def test_every_registered_spec_has_file_names_the_file_system_takes(cache_dir):
+    from flashtile import registry
+
+    longest_temp = len(".cubin.") + 32 + len(jit._TEMP_SUFFIX)  # _atomic_write's temporary file, beside the entry
+    for arch in specs.TEST_ARCHS:
+        for spec in registry.all_specs(arch):
+            stem = jit.entry_stem(spec, jit.cache_key(spec))
+            assert len(stem.name) + longest_temp <= 255, spec.name
+            assert stem.name.startswith(spec.name[:jit.MAX_NAME_CHARS])
+
+
+def test_a_spec_with_a_long_name_is_cached(cache_dir, recwarn):
+    long_name = dataclasses.replace(SPEC, defines=SPEC.defines + (("FT_UNUSED_BY_THE_KERNEL_" + "X" * 200, 1),))
+    assert len(long_name.name) > 255
+    first = jit.compile_spec(long_name)
+    assert not [w for w in recwarn if issubclass(w.category, jit.CacheWarning)]
+    jit.clear_memo()
+    assert jit.compile_spec(long_name).origin == "disk"
 
 
 def test_resources_are_readable(cache_dir):

@@ -45,6 +45,9 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 LOCK_NOTICE_S = 5.0      # waiting this long for a spec's lock is said on stderr
 LOCK_TIMEOUT_S = 60.0    # waiting this long, we compile without the lock
 STALE_TEMP_S = 3600.0    # a temporary file this old was left by a writer that died mid-write
+# An entry's file names start with at most this much of its spec's name (the key after it tells entries apart):
+# the longest, a temporary file's, then stays within the 255 bytes most file systems allow a name.
+MAX_NAME_CHARS = 160
 _FILE_MODE = 0o666       # new cache files ask for this; the umask takes away the rest, as for any user file
 _TEMP_SUFFIX = ".tmp"
 
@@ -370,13 +373,18 @@ def _compile_and_store(spec: KernelSpec, key: str, stem: Path, use_cache: bool) 
 _memo: dict[KernelSpec, CompiledModule] = {}
 
 
+def entry_stem(spec: KernelSpec, key: str) -> Path:
+    """The cache entry's path less its suffix: the spec's readable name, cut to MAX_NAME_CHARS, and the key."""
+    return cache_dir() / f"{spec.name[:MAX_NAME_CHARS]}-{key}"
+
+
 def compile_spec(spec: KernelSpec, *, use_cache: bool = True) -> CompiledModule:
     """The compiled module for `spec`, from memory, the disk cache, or NVRTC — in that order."""
     start = time.perf_counter()
     if use_cache and spec in _memo:
         return _memo[spec]
     key = cache_key(spec)
-    stem = cache_dir() / f"{spec.name}-{key}"
+    stem = entry_stem(spec, key)
     module = _read_entry(stem, spec, key) if use_cache else None
     if module is None:
         module = _compile_and_store(spec, key, stem, use_cache)

@@ -588,6 +588,7 @@ class BwdWgmmaTile:
     why: str
     warps: int = 12  # a producer warpgroup and two consumer warpgroups
     dq_writer: bool = False  # dQ staged in shared memory and added by the producer warpgroup's second warp
+    scores_ahead: bool = False  # a step's S^T issued by the step before, behind its dQ product (keys split)
 
 
 BWD_WGMMA_TILES = {
@@ -614,11 +615,15 @@ def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
                    deterministic: bool = False) -> BwdWgmmaTile | None:
     """The Hopper kernel's tile, or None where rung 4's kernels serve. The deterministic mode adds dQ from the
     consumers: the writer warp's turns, each waiting for its reductions to complete, cost more than the atomics'
-    (docs/notes.md, session eighteen)."""
+    (docs/notes.md, session eighteen). Where that makes it a build of its own, the next step's S^T runs under
+    those atomics (+4% at d128; the same order cost the writer's builds 2-4% and d64 1-2%: notes.md, session
+    twenty)."""
     if arch != "sm_90a" or score_mods or d != dv:
         return None
     tile = BWD_WGMMA_TILES.get(d)
-    return replace(tile, dq_writer=False) if tile is not None and deterministic else tile
+    if tile is None or not deterministic:
+        return tile
+    return replace(tile, dq_writer=False, scores_ahead=tile.dq_writer)
 
 
 def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
@@ -633,6 +638,7 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", d), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0),
                ("FT_WIDE_BLOCKS", 1), ("FT_DQ_WRITER", int(tile.dq_writer)),
+               ("FT_SCORES_AHEAD", int(tile.scores_ahead)),
                ("FT_PRODUCER_REGISTERS", producer),
                ("FT_CONSUMER_REGISTERS", consumer_registers(tile.warps // WARPGROUP_WARPS - 1, producer)),
                *ROW_DEFINES)

@@ -53,6 +53,12 @@ constexpr int kConsumerBarrier = 1;  // named barrier of the consumers alone (0 
 // shared memory and the writer adds the tile's rows to the accumulator with bulk reductions; otherwise the
 // consumers add their pieces with atomics. specs.py BWD_WGMMA_TILES says where.
 constexpr bool kDqWriter = FT_DQ_WRITER;
+#ifndef FT_SCORES_AHEAD
+#define FT_SCORES_AHEAD 0
+#endif
+// A step's S^T is issued by the step before, behind its dQ product, so that it runs while that step's dQ leaves
+// (split keys; specs.py says where).
+constexpr bool kScoresAhead = FT_SCORES_AHEAD;
 constexpr int kWriterWarp = 1;
 constexpr int kDqFullBarrier = 2;   // the consumers' pieces are staged (consumers arrive, the writer waits)
 constexpr int kDqEmptyBarrier = 3;  // the writer has read the staged tile (the writer arrives, consumers wait)
@@ -67,6 +73,7 @@ constexpr int kConsumerRegisters = FT_CONSUMER_REGISTERS;
 static_assert(kWarpgroups == 2, "two consumer warpgroups share a step");
 constexpr bool kSplitKeys = kBlockN == kWarpgroups * kWgmmaM;
 static_assert(kSplitKeys || kBlockN == kWgmmaM, "64 keys per warpgroup, or 64 keys shared by all");
+static_assert(kSplitKeys || !kScoresAhead, "S^T ahead with the keys split");
 static_assert(kHeadDim == kHeadDimV, "one head dim for q, k and v");
 static_assert(kWideBlocks, "wgmma reads the 128-byte swizzled layout");
 static_assert(!kSoftcap && !kAlibi, "score modifications run in mma/bwd.cu");
@@ -407,6 +414,21 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
     float dk[kGradAccumulators] = {};
     float dv[kGradAccumulators] = {};
 
+    // With kScoresAhead a step's S^T is in flight in `s_ahead` when the step begins. Its keys' rows are worked out
+    // again where they are used (from an opaque key0): kept across the loop, they spilled.
+    float s_ahead[kScoreAccumulators];
+    auto rows_of = [&](u32 tile) { return tile + (kScoresAhead ? opaque(key0) : key0) * kSwizzleRowBytes; };
+    auto issue_scores = [&](int stage) {
+        fence_operands(s_ahead);
+        wgmma_fence();
+        keys_by_queries<KTile, QTile>(s_ahead, rows_of(k_smem), q_smem + stage * kQStageBytes);
+        wgmma_commit();
+    };
+    auto release = [&](int stage) {
+        __syncwarp();  // every lane's reads of the stage (LSE and D) before the warp's release
+        if (lane == 0) mbarrier_arrive(empty + stage * kMbarrierBytes);
+    };
+
     auto step_body = [&](int step, int stage, bool masked) {
         const int head = h_first + step / m_tiles, m_tile = m_tile_of(step), m0 = m_tile * kBlockM;
         const int g = (threadIdx.x % kWarpSize) / kQuad, t = threadIdx.x % kQuad;
@@ -456,16 +478,21 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
             // S^T and dP^T of this warpgroup's keys, two commit groups: the softmax of S^T runs while dP^T is
             // computed. Then dV += P^T dO and dK += dS^T Q (the softmax scale is applied once, at the end) from
             // the registers, in flight while dS^T goes to shared memory for dQ.
-            float s[kScoreAccumulators], dp[kScoreAccumulators];
-            fence_operands(s);
+            float s_here[kScoreAccumulators], dp[kScoreAccumulators];
+            float (&s)[kScoreAccumulators] = kScoresAhead ? s_ahead : s_here;
+            if constexpr (!kScoresAhead) fence_operands(s);
             fence_operands(dp);
             wgmma_fence();
-            keys_by_queries<KTile, QTile>(s, k_rows, sq);
+            if constexpr (!kScoresAhead) {
+                keys_by_queries<KTile, QTile>(s, k_rows, sq);
+                wgmma_commit();
+            }
+            keys_by_queries<VTile, DoTile>(dp, kScoresAhead ? rows_of(v_smem) : v_rows, sdo);
             wgmma_commit();
-            keys_by_queries<VTile, DoTile>(dp, v_rows, sdo);
-            wgmma_commit();
-            wgmma_wait<1>();
-            fence_operands(s);
+            if constexpr (!kScoresAhead) {
+                wgmma_wait<1>();
+                fence_operands(s);
+            }
             probabilities(s, p16);
             wgmma_wait<0>();
             fence_operands(dp);
@@ -480,6 +507,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
             wgmma_wait<0>();
             fence_operands(dv);
             fence_operands(dk);
+            if constexpr (kScoresAhead) release(stage);  // the stage's last reader is done
         } else {
             // Warpgroup 0 computes S^T = K Q^T and P^T, warpgroup 1 dP^T = V dO^T (the same product on the other
             // tiles, so no branch around it); P^T meets dP^T in shared memory and warpgroup 1 forms dS^T.
@@ -504,7 +532,13 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         }
         fence_proxy_async();
         // Deterministic mode: wait for this dQ tile's turn (the writer warp waits instead, where there is one).
-        const DqTurn turn(p, mask, b, head, m_tile, m0, n_block, !kDqWriter && threadIdx.x == kWarpgroupThreads);
+        // Split keys take it once dQ is in the registers, so that a turn is held for the adds alone; split columns
+        // before the step's barrier (after it their dV and dK products are in flight, and the turn's registers
+        // would spill).
+        auto take_turn = [&](bool wait) {
+            return DqTurn(p, mask, b, head, m_tile, m0, n_block, wait && !kDqWriter && threadIdx.x == kWarpgroupThreads);
+        };
+        const DqTurn early_turn = take_turn(!kSplitKeys);
         consumers_sync();
 
         // dQ = dS K for this warpgroup's piece: A = dS, i.e. dS^T's rows read MN-major (a k16 step is 16 keys,
@@ -526,8 +560,23 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
             add_keys_by_dim<QTile>(dk, smem_addr(ds_tile), q_cols);
             wgmma_commit();
         }
-        wgmma_wait<kSplitKeys ? 0 : 1>();
+        if constexpr (kScoresAhead) {
+            // The next step's S^T goes in behind dQ. (Each path with its own wait: a product under a condition
+            // between commits would serialise every product.)
+            if (step + 1 < steps) {
+                const int next = (step + 1) % kStages;
+                mbarrier_wait(full + next * kMbarrierBytes, ((step + 1) / kStages) & 1);
+                issue_scores(next);
+                wgmma_wait<1>();
+            } else {
+                wgmma_wait<0>();
+            }
+        } else {
+            wgmma_wait<kSplitKeys ? 0 : 1>();
+        }
         fence_operands(dq);
+        const DqTurn turn = kSplitKeys ? take_turn(true) : early_turn;
+        if (kSplitKeys && !kDqWriter && turn.turn != nullptr) consumers_sync();  // the leader's acquire, for all
 
         if constexpr (kDqWriter) {
             // Stage the piece once the writer has read the last tile, publish it to the writer's bulk reads.
@@ -555,18 +604,30 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
             }
         }
         wgmma_wait<0>();
-        fence_operands(dv);
-        fence_operands(dk);
+        if constexpr (kScoresAhead) {
+            fence_operands(s_ahead);  // the next step's S^T (the loop's own wait: see below)
+        } else {
+            fence_operands(dv);
+            fence_operands(dk);
+        }
         if constexpr (!kDqWriter) turn.pass(consumers_sync, threadIdx.x == kWarpgroupThreads);
     };
 
-    // Main loop over (query head, query tile) steps: wait for the step's stage, run it, hand the stage back.
+    // Main loop over (query head, query tile) steps: wait for the step's stage, run it, hand the stage back. With
+    // kScoresAhead the step before waits for the stage and issues its S^T (the first step's is waited for here:
+    // ptxas follows the wgmma groups into a loop's body, not around it, and would serialise every product), and
+    // the step hands its stage back once it has read it.
+    if (kScoresAhead && steps > 0) {
+        mbarrier_wait(full, 0);
+        issue_scores(0);
+        wgmma_wait<0>();
+        fence_operands(s_ahead);
+    }
     for (int step = 0; step < steps; ++step) {
         const int stage = step % kStages, m0 = m_tile_of(step) * kBlockM;
-        mbarrier_wait(full + stage * kMbarrierBytes, (step / kStages) & 1);
+        if (!kScoresAhead) mbarrier_wait(full + stage * kMbarrierBytes, (step / kStages) & 1);
         step_body(step, stage, !mask.tile_unmasked(m0, min(m0 + kBlockM, pr0.seqlen_q), n0, n0 + kBlockN));
-        __syncwarp();  // every lane's reads of the stage (LSE and D) before the warp's release
-        if (lane == 0) mbarrier_arrive(empty + stage * kMbarrierBytes);
+        if (!kScoresAhead) release(stage);
     }
 
     // Every consumer is past its last product (which read K): K and V's tiles are free to stage dK and dV.
