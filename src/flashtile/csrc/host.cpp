@@ -1209,25 +1209,29 @@ FT_KERNEL_OPTIONS void own_backward_typed(const at::Tensor& dout_, const at::Ten
 template <class Acc>
 constexpr int64_t kDecodeTileKeys = kVectorBytes / sizeof(Acc);
 
-// Lane t of one half of a fold of x and y, whose keys hold `width` lanes each: the result's first half of lanes
-// takes x's keys, its second y's, each key now `width / 2` lanes wide; the lower half of every key's lanes, or
-// (High) the upper half.
-template <class Acc, int64_t Width, bool High>
-constexpr int fold_lane(size_t t) {
-  constexpr int64_t lanes = kDecodeTileKeys<Acc>, half = Width / 2;
-  const int64_t from_y = static_cast<int64_t>(t) >= lanes / 2 ? 1 : 0;
-  const int64_t u = static_cast<int64_t>(t) - from_y * (lanes / 2);
-  return static_cast<int>(from_y * lanes + u / half * Width + u % half + (High ? half : 0));
-}
-
-template <class Acc, int64_t Width, bool High, size_t... T>
-FT_KERNEL_INLINE VectorOf<Acc> fold_half(const VectorOf<Acc>& x, const VectorOf<Acc>& y, std::index_sequence<T...>) {
+// The vector whose lane t is lane Lane::of(t) of x and y side by side (x's lanes first, then y's).
+template <class Acc, class Lane, size_t... T>
+FT_KERNEL_INLINE VectorOf<Acc> shuffle_pair(const VectorOf<Acc>& x, const VectorOf<Acc>& y,
+                                            std::index_sequence<T...>) {
 #if defined(__clang__)
-  return __builtin_shufflevector(x, y, fold_lane<Acc, Width, High>(T)...);
+  return __builtin_shufflevector(x, y, Lane::of(T)...);
 #else
-  return __builtin_shuffle(x, y, IndexOf<Acc>{fold_lane<Acc, Width, High>(T)...});
+  return __builtin_shuffle(x, y, IndexOf<Acc>{Lane::of(T)...});
 #endif
 }
+
+// One half of a fold of x and y, whose keys hold `Width` lanes each: the result's first half of lanes takes x's
+// keys, its second y's, each key now `Width / 2` lanes wide; the lower half of every key's lanes, or (High) the
+// upper half.
+template <class Acc, int64_t Width, bool High>
+struct FoldLane {
+  static constexpr int of(size_t t) {
+    constexpr int64_t lanes = kDecodeTileKeys<Acc>, half = Width / 2;
+    const int64_t from_y = static_cast<int64_t>(t) >= lanes / 2 ? 1 : 0;
+    const int64_t u = static_cast<int64_t>(t) - from_y * (lanes / 2);
+    return static_cast<int>(from_y * lanes + u / half * Width + u % half + (High ? half : 0));
+  }
+};
 
 // x[0, Width) hold Width keys of Width lanes each (a key's sum is the sum of its lanes): fold pairs until x[0]
 // holds every key's sum, key j in lane j.
@@ -1235,8 +1239,8 @@ template <class Acc, int64_t Width>
 FT_KERNEL_INLINE void sum_lanes(VectorOf<Acc>* x) {
   constexpr auto lanes = std::make_index_sequence<kDecodeTileKeys<Acc>>();
   for (int64_t i = 0; i < Width / 2; ++i) {
-    x[i] = fold_half<Acc, Width, false>(x[2 * i], x[2 * i + 1], lanes) +
-           fold_half<Acc, Width, true>(x[2 * i], x[2 * i + 1], lanes);
+    x[i] = shuffle_pair<Acc, FoldLane<Acc, Width, false>>(x[2 * i], x[2 * i + 1], lanes) +
+           shuffle_pair<Acc, FoldLane<Acc, Width, true>>(x[2 * i], x[2 * i + 1], lanes);
   }
   if constexpr (Width > 2) sum_lanes<Acc, Width / 2>(x);
 }
@@ -1280,22 +1284,14 @@ FT_KERNEL_INLINE void tile_dots_t(const Acc* a, int64_t lda, int64_t rows, const
 // first (or, Second, the second) of the pair with their off-diagonal blocks of H lanes swapped. After the stages
 // H = lanes / 2, ..., 1, vector i holds lane i of every input vector.
 template <class Acc, int64_t H, bool Second>
-constexpr int swap_lane(size_t t) {
-  constexpr int64_t lanes = kDecodeTileKeys<Acc>;
-  const int64_t u = static_cast<int64_t>(t);
-  if ((u & H) == 0) return static_cast<int>(Second ? u + H : u);
-  return static_cast<int>(Second ? lanes + u : lanes + u - H);
-}
-
-template <class Acc, int64_t H, bool Second, size_t... T>
-FT_KERNEL_INLINE VectorOf<Acc> swap_blocks(const VectorOf<Acc>& x, const VectorOf<Acc>& y,
-                                           std::index_sequence<T...>) {
-#if defined(__clang__)
-  return __builtin_shufflevector(x, y, swap_lane<Acc, H, Second>(T)...);
-#else
-  return __builtin_shuffle(x, y, IndexOf<Acc>{swap_lane<Acc, H, Second>(T)...});
-#endif
-}
+struct SwapLane {
+  static constexpr int of(size_t t) {
+    constexpr int64_t lanes = kDecodeTileKeys<Acc>;
+    const int64_t u = static_cast<int64_t>(t);
+    if ((u & H) == 0) return static_cast<int>(Second ? u + H : u);
+    return static_cast<int>(Second ? lanes + u : lanes + u - H);
+  }
+};
 
 template <class Acc, int64_t H>
 FT_KERNEL_INLINE void transpose_stage(VectorOf<Acc>* x) {
@@ -1303,8 +1299,8 @@ FT_KERNEL_INLINE void transpose_stage(VectorOf<Acc>* x) {
   for (int64_t i = 0; i < kDecodeTileKeys<Acc>; ++i) {
     if (i & H) continue;
     const VectorOf<Acc> a = x[i], b = x[i + H];
-    x[i] = swap_blocks<Acc, H, false>(a, b, lanes);
-    x[i + H] = swap_blocks<Acc, H, true>(a, b, lanes);
+    x[i] = shuffle_pair<Acc, SwapLane<Acc, H, false>>(a, b, lanes);
+    x[i + H] = shuffle_pair<Acc, SwapLane<Acc, H, true>>(a, b, lanes);
   }
   if constexpr (H > 1) transpose_stage<Acc, H / 2>(x);
 }
