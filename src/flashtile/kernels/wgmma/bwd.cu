@@ -536,7 +536,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         // before the step's barrier (after it their dV and dK products are in flight, and the turn's registers
         // would spill).
         auto take_turn = [&](bool wait) {
-            return DqTurn(p, mask, b, head, m_tile, m0, n_block, wait && !kDqWriter && threadIdx.x == kWarpgroupThreads);
+            return DqTurn(p, mask, b, head, m_tile, m0, n_block,
+                          wait && !kDqWriter && threadIdx.x == kWarpgroupThreads);
         };
         const DqTurn early_turn = take_turn(!kSplitKeys);
         consumers_sync();
