@@ -97,7 +97,7 @@ def test_every_registered_spec_has_file_names_the_file_system_takes(cache_dir):
 def test_a_spec_with_a_long_name_is_cached(cache_dir, recwarn):
     long_name = dataclasses.replace(SPEC, defines=SPEC.defines + (("FT_UNUSED_BY_THE_KERNEL_" + "X" * 200, 1),))
     assert len(long_name.name) > 255
-    first = jit.compile_spec(long_name)
+    jit.compile_spec(long_name)
     assert not [w for w in recwarn if issubclass(w.category, jit.CacheWarning)]
     jit.clear_memo()
     assert jit.compile_spec(long_name).origin == "disk"
