@@ -167,16 +167,19 @@ def test_all_specs_cover_what_each_family_compiles():
         assert not any(s.source.startswith("wgmma/") or (s.kv_maps and s.kv_maps.rows) for s in registry.all_specs(arch))
 
 
-@pytest.mark.parametrize("d, writer", [(64, False), (128, True), (256, False)])
-def test_the_dq_writer_serves_the_default_backward_only(d, writer):
+@pytest.mark.parametrize("d, writer, keeper", [(64, False, True), (128, True, True), (256, False, False)])
+def test_the_dq_writer_serves_the_default_backward_only(d, writer, keeper):
     """The Hopper backward adds dQ through its writer warp where the tile table says so, except in the
-    deterministic mode; both specs are among those compiled ahead of time."""
+    deterministic mode, where a turn keeper warp serves the split-keys tiles; both specs are among those compiled
+    ahead of time."""
     wgmma = next(f for f in backward.FAMILIES if f.name == "bwd-wgmma")
     default, repeatable = (wgmma.spec(Variant("bwd", BF16, d, d, frozenset(), "sm_90a", deterministic=deterministic))
                            for deterministic in (False, True))
     assert dict(default.defines)["FT_DQ_WRITER"] == int(writer)
     assert dict(repeatable.defines)["FT_DQ_WRITER"] == 0
-    assert (default == repeatable) == (not writer)
+    assert dict(default.defines)["FT_TURN_KEEPER"] == 0
+    assert dict(repeatable.defines)["FT_TURN_KEEPER"] == int(keeper)
+    assert (default == repeatable) == (not writer and not keeper)
     assert {default, repeatable} <= set(registry.all_specs("sm_90a"))
 
 

@@ -589,6 +589,7 @@ class BwdWgmmaTile:
     warps: int = 12  # a producer warpgroup and two consumer warpgroups
     dq_writer: bool = False  # dQ staged in shared memory and added by the producer warpgroup's second warp
     scores_ahead: bool = False  # a step's S^T issued by the step before, behind its dQ product (keys split)
+    turn_keeper: bool = False  # deterministic mode: the producer warpgroup's second warp keeps dQ's turns
 
 
 BWD_WGMMA_TILES = {
@@ -623,7 +624,7 @@ def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
     tile = BWD_WGMMA_TILES.get(d)
     if tile is None or not deterministic:
         return tile
-    return replace(tile, dq_writer=False, scores_ahead=tile.dq_writer)
+    return replace(tile, dq_writer=False, scores_ahead=tile.dq_writer, turn_keeper=tile.block_n == 2 * WGMMA_M)
 
 
 def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
@@ -638,7 +639,7 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", d), ("FT_BLOCK_M", m), ("FT_BLOCK_N", n),
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0),
                ("FT_WIDE_BLOCKS", 1), ("FT_DQ_WRITER", int(tile.dq_writer)),
-               ("FT_SCORES_AHEAD", int(tile.scores_ahead)),
+               ("FT_SCORES_AHEAD", int(tile.scores_ahead)), ("FT_TURN_KEEPER", int(tile.turn_keeper)),
                ("FT_PRODUCER_REGISTERS", producer),
                ("FT_CONSUMER_REGISTERS", consumer_registers(tile.warps // WARPGROUP_WARPS - 1, producer)),
                *ROW_DEFINES)

@@ -59,9 +59,19 @@ constexpr bool kDqWriter = FT_DQ_WRITER;
 // A step's S^T is issued by the step before, behind its dQ product, so that it runs while that step's dQ leaves
 // (split keys; specs.py says where).
 constexpr bool kScoresAhead = FT_SCORES_AHEAD;
-constexpr int kWriterWarp = 1;
+#ifndef FT_TURN_KEEPER
+#define FT_TURN_KEEPER 0
+#endif
+// Deterministic mode without the writer: the producer warpgroup's second warp keeps the dQ tiles' turns (it waits
+// for a tile's turn, hands it to the consumers, and passes it on once they have issued their atomics), so that no
+// consumer waits for the release's fence. specs.py says where.
+constexpr bool kTurnKeeper = FT_TURN_KEEPER;
+static_assert(!(kDqWriter && kTurnKeeper), "the writer warp keeps its own turns");
+constexpr int kWriterWarp = 1;      // the writer, or the turn keeper
 constexpr int kDqFullBarrier = 2;   // the consumers' pieces are staged (consumers arrive, the writer waits)
 constexpr int kDqEmptyBarrier = 3;  // the writer has read the staged tile (the writer arrives, consumers wait)
+constexpr int kTurnTakenBarrier = 2;  // the keeper has the tile's turn (the keeper arrives, consumers wait)
+constexpr int kAddsIssuedBarrier = 3; // the consumers have issued their atomics (consumers arrive, the keeper waits)
 constexpr int kDqHandoffThreads = kConsumerThreads + kWarpSize;
 // A staged row: the head dim plus 16 bytes, so that the 8 rows of a fragment's float2 stores start 4 banks apart
 // and every row stays 16-byte aligned for its bulk reduction.
@@ -74,6 +84,7 @@ static_assert(kWarpgroups == 2, "two consumer warpgroups share a step");
 constexpr bool kSplitKeys = kBlockN == kWarpgroups * kWgmmaM;
 static_assert(kSplitKeys || kBlockN == kWgmmaM, "64 keys per warpgroup, or 64 keys shared by all");
 static_assert(kSplitKeys || !kScoresAhead, "S^T ahead with the keys split");
+static_assert(kSplitKeys || !kTurnKeeper, "the turn keeper with the keys split");
 static_assert(kHeadDim == kHeadDimV, "one head dim for q, k and v");
 static_assert(kWideBlocks, "wgmma reads the 128-byte swizzled layout");
 static_assert(!kSoftcap && !kAlibi, "score modifications run in mma/bwd.cu");
@@ -260,6 +271,22 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
     }
 }
 
+// The turn keeper: for each step, lane 0 waits for the dQ tile's turn and the warp hands it to the consumers; once
+// they have issued their atomics (a barrier orders them before what follows it), lane 0 passes the turn on with a
+// release, which is cumulative: the consumers' adds are visible to whoever acquires the turn next.
+__device__ __forceinline__ void keep_turns(const BwdParams& p, const Mask& mask, int b, int h_first, int n_block,
+                                           int steps, int m_tiles, int m_hi, int lane) {
+#pragma unroll 1
+    for (int step = 0; step < steps; ++step) {
+        const int head = h_first + step / m_tiles, m_tile = m_hi - 1 - step % m_tiles;
+        const DqTurn turn(p, mask, b, head, m_tile, m_tile * kBlockM, n_block, lane == 0);
+        __syncwarp();
+        named_barrier_arrive(kTurnTakenBarrier, kDqHandoffThreads);
+        named_barrier_sync(kAddsIssuedBarrier, kDqHandoffThreads);
+        turn.pass([] { __syncwarp(); }, lane == 0);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps maps) {
     extern __shared__ __align__(kSwizzleAtomBytes) unsigned char smem_raw[];
@@ -314,6 +341,10 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         setmaxnreg_dec<kProducerRegisters>();
         if (kDqWriter && warp == kWriterWarp) {
             write_dq(p, mask, pr0, b, h_first, n_block, steps, m_tiles, m_hi, smem_addr(smem.dq_stage), lane);
+            return;
+        }
+        if (kTurnKeeper && warp == kWriterWarp) {
+            keep_turns(p, mask, b, h_first, n_block, steps, m_tiles, m_hi, lane);
             return;
         }
         if (warp != 0) return;
@@ -537,7 +568,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         // would spill).
         auto take_turn = [&](bool wait) {
             return DqTurn(p, mask, b, head, m_tile, m0, n_block,
-                          wait && !kDqWriter && threadIdx.x == kWarpgroupThreads);
+                          wait && !kDqWriter && !kTurnKeeper && threadIdx.x == kWarpgroupThreads);
         };
         const DqTurn early_turn = take_turn(!kSplitKeys);
         consumers_sync();
@@ -577,7 +608,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         }
         fence_operands(dq);
         const DqTurn turn = kSplitKeys ? take_turn(true) : early_turn;
-        if (kSplitKeys && !kDqWriter && turn.turn != nullptr) consumers_sync();  // the leader's acquire, for all
+        if constexpr (kTurnKeeper) named_barrier_sync(kTurnTakenBarrier, kDqHandoffThreads);  // the keeper's acquire
+        else if (kSplitKeys && !kDqWriter && turn.turn != nullptr) consumers_sync();  // the leader's acquire, for all
 
         if constexpr (kDqWriter) {
             // Stage the piece once the writer has read the last tile, publish it to the writer's bulk reads.
@@ -611,7 +643,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
             fence_operands(dv);
             fence_operands(dk);
         }
-        if constexpr (!kDqWriter) turn.pass(consumers_sync, threadIdx.x == kWarpgroupThreads);
+        if constexpr (kTurnKeeper) named_barrier_arrive(kAddsIssuedBarrier, kDqHandoffThreads);
+        else if constexpr (!kDqWriter) turn.pass(consumers_sync, threadIdx.x == kWarpgroupThreads);
     };
 
     // Main loop over (query head, query tile) steps: wait for the step's stage, run it, hand the stage back. With
