@@ -3,8 +3,8 @@
 # summary is printed last. Usage: scripts/gpu.sh MODE, where MODE is
 #   tests     every test (on a fresh machine the host build and the specs' compile take ~2.5 of its minutes)
 #   sanitize  the sanitizers (memcheck, racecheck, synccheck) and `flashtile check`
-#   bench     `flashtile bench ladder`, the standard matrix (training and inference forward, backward), the
-#             decode rows (contiguous and paged caches) and the host overhead beside sdpa-flash
+#   bench     `flashtile bench ladder` and the standard matrix (training and inference forward, backward)
+#   serving   the decode rows (contiguous and paged caches) and the host overhead beside sdpa-flash
 #   quick     the GPU kernel tests only;  tune  bench plus the tile sweeps of scripts/tune_*.py
 set -uo pipefail
 MODE=${1:-tests}
@@ -12,6 +12,12 @@ OUT=${OUT:-/tmp/flashtile-out}
 mkdir -p "$OUT/docs"
 # FLASHTILE_HOST=on: every step runs the C++ host path (flashtile/host.py), built once by the first step.
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 FLASHTILE_CACHE_DIR=/tmp/flashtile-cache FLASHTILE_HOST=on
+# FLASHTILE_SEED_CACHE=DIR: a kernel cache compiled on a CPU machine with the GPU's NVRTC major.minor
+# (`FLASHTILE_CACHE_DIR=DIR flashtile compile --arch sm_90a`) and carried here; entries whose key differs are
+# compiled again as usual.
+if [ -n "${FLASHTILE_SEED_CACHE:-}" ]; then
+    mkdir -p "$FLASHTILE_CACHE_DIR" && cp -r "$FLASHTILE_SEED_CACHE"/. "$FLASHTILE_CACHE_DIR"/
+fi
 summary=()
 step() {  # step NAME LOGFILE COMMAND...
     local name=$1 log=$2; shift 2
@@ -24,7 +30,7 @@ step() {  # step NAME LOGFILE COMMAND...
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -m flashtile info 2>&1 | tail -n 12
 step host host.log python3 -c "from flashtile import host; print('host path built:', host.extension())"
-if [ "$MODE" = tests ] || [ "$MODE" = quick ]; then
+if [ "$MODE" != sanitize ]; then  # the benchmarks too: a spec compiled inside a timed row is minutes lost
     step compile compile.log python3 -m flashtile compile
 fi
 # tests and sanitize are separate calls: together they passed the 10-minute limit on a fresh machine.
@@ -44,6 +50,8 @@ fi
 if [ "$MODE" = bench ] || [ "$MODE" = tune ]; then
     step bench bench.log python3 -m flashtile bench ladder --shape 4,16,4096,64 --dtype bf16 --out "$OUT/docs"
     step matrix matrix.log python3 -m flashtile bench matrix --out "$OUT/docs"
+fi
+if [ "$MODE" = serving ] || [ "$MODE" = tune ]; then
     step decode decode.log python3 -m flashtile bench decode --out "$OUT/docs"
     step overhead overhead.log python3 scripts/overhead.py --out "$OUT/docs"
 fi
