@@ -3,6 +3,7 @@ inference call it; then where flashtile's time goes, piece by piece. Usage: over
 (writes DIR/results/overhead.json)."""
 
 import argparse
+import ctypes
 import json
 from pathlib import Path
 
@@ -75,11 +76,16 @@ def pieces() -> dict:
     call = dispatch.planned_call(problem, "auto", False, True)
     plan = call.forward_plan
     out, lse = plan.run(q, k, v)
+    # The launch's own copy of the params this run packed (and its tensor maps): the per-thread buffer is packed
+    # again by every Python-path launch, and a forward kernel launched with the backward's params reads nonsense.
+    args, packed = launch._ParamsBuffer(), launch._params_buffer
+    ctypes.memmove(args.buffer, packed.buffer, len(packed.buffer))
+    ctypes.memmove(args.extra_address, packed.extra_address, launch.EXTRA_BYTES)
     options = (True, None, (-1, -1), 0.0, False, False, "auto")
     _no_grad(flashtile.attention, q, k, v, causal=True)  # kept: in the extension's table where it is built
     table = host.kept_calls()
     driver = cuda_module("cuda.bindings.driver")
-    step, args = plan.launches[0], launch._params_buffer  # the buffer holds the last run's params: a real launch
+    step = plan.launches[0]
     argv = args.argv_address if plan.kv_box is None else args.argv2_address
     stream = torch.cuda.current_stream().cuda_stream
     allocating = _AllocatingCall()
@@ -87,6 +93,7 @@ def pieces() -> dict:
 
     def one_launch():
         driver.cuLaunchKernel(step.kernel.function, *step.grid, step.threads, 1, 1, step.smem, stream, argv, 0)
+    one_launch.params = args  # argv points into it: it lives as long as the piece
 
     return {
         "flashtile.attention, no_grad (whole call)": lambda: _no_grad(flashtile.attention, q, k, v, causal=True),
