@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU machine's work, in calls that fit its 10-minute limit. Logs and results go to $OUT; a short
 # summary is printed last. Usage: scripts/gpu.sh MODE, where MODE is
-#   tests     every test (on a fresh machine the host build and the specs' compile take ~2.5 of its minutes)
+#   tests     every test; `tests K/N` the K-th of N shares of the test files, round robin (a fresh machine's
+#             host build and the whole suite passed the 10-minute limit: run `tests 1/2`, then `tests 2/2`)
 #   sanitize  the sanitizers (memcheck, racecheck, synccheck) and `flashtile check`
 #   bench     `flashtile bench ladder` and the standard matrix (training and inference forward, backward)
 #   serving   the decode rows (contiguous and paged caches) and the host overhead beside sdpa-flash
 #   quick     the GPU kernel tests only;  tune  bench plus the tile sweeps of scripts/tune_*.py
 set -uo pipefail
 MODE=${1:-tests}
+SHARD=${2:-}
 OUT=${OUT:-/tmp/flashtile-out}
 mkdir -p "$OUT/docs"
 # FLASHTILE_HOST=on: every step runs the C++ host path (flashtile/host.py), built once by the first step.
@@ -38,7 +40,16 @@ if [ "$MODE" = tests ]; then
     # tests/test_compile_all.py (every spec for four archs, no GPU needed) is CI's job; here the kernels run.
     # pytest-xdist, where installed, spreads the tests over processes sharing the GPU (a few minutes saved).
     parallel=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-    step tests pytest.log python3 -m pytest -q -p no:cacheprovider $parallel tests --ignore=tests/test_compile_all.py
+    files=(tests)
+    if [ -n "$SHARD" ]; then
+        k=${SHARD%/*} n=${SHARD#*/} files=()
+        mapfile -t all < <(ls tests/test_*.py | grep -v test_compile_all.py)
+        for i in "${!all[@]}"; do
+            if [ $((i % n)) -eq $((k - 1)) ]; then files+=("${all[$i]}"); fi
+        done
+    fi
+    step tests pytest.log python3 -m pytest -q -p no:cacheprovider $parallel --durations=20 "${files[@]}" \
+        --ignore=tests/test_compile_all.py
 elif [ "$MODE" = sanitize ]; then
     step memcheck sanitizer.log compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python3 scripts/sanitize.py
     step racecheck racecheck.log compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize.py 2
