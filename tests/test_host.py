@@ -588,6 +588,41 @@ def test_gradcheck_through_the_decode_path_in_fp64(monkeypatch, seqlen_k):
     assert [c.cpu_kernel is not None for c in api._calls.values()] == [True]
 
 
+PAGE_FAULTS_SCRIPT = """
+import resource, torch
+from flashtile import host
+torch.set_num_threads(2)
+module = host.extension()
+q = torch.randn(1, 4, 8, 16)
+k, v = torch.randn(1, 2048, 8, 16), torch.randn(1, 2048, 8, 16)
+dout = torch.randn_like(q)
+assert module.own_decode_serves(q, k, v)
+out, lse = module.own_forward(q, k, v, 0.25, False)
+module.own_backward(dout, q, k, v, out, lse, None, 0.25, False)
+calls, before = 10, resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(calls):
+    module.own_backward(dout, q, k, v, out, lse, None, 0.25, False)
+faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+print("threads", torch.get_num_threads(), "faults per page", faults / (2 * k.numel() * 4 / resource.getpagesize()))
+"""
+
+
+@needs_build
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts page faults as Linux and glibc do")
+def test_the_decode_backwards_threads_write_disjoint_pages():
+    """A key's dK and dV lines of every kv head share memory pages, so threads that split the kv heads fault each
+    fresh page of dK and dV twice; splitting the keys, about once. glibc's mmap threshold fixed under the buffers'
+    size makes every call's dK and dV fresh pages."""
+    env = {**os.environ, host.MODE_ENV: "on", "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", PAGE_FAULTS_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=BUILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    words = done.stdout.split()
+    if int(words[words.index("threads") + 1]) < 2:
+        pytest.skip("torch runs one thread here")
+    assert float(words[-1]) < 1.5, done.stdout
+
+
 DECODE_FUZZ_CASES = 60
 
 

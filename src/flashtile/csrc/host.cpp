@@ -1911,11 +1911,11 @@ struct DecodeBackwardWork {
   const RowValues& lse;
   const RowValues& dlse;
   bool with_dlse;
-  int64_t parts, part_keys;
+  int64_t pairs, parts, part_keys;  // units part-major: unit = part * pairs + pair
   In* dq_data;
   In* dk_data;
   In* dv_data;
-  Acc* partials;  // parts > 1: per unit, per row, its part of dq (dim_padded values)
+  Acc* partials;  // parts > 1: per (pair, part), per row, its part of dq (dim_padded values)
   Acc q_factor, grad_scale;
 };
 
@@ -1936,7 +1936,7 @@ FT_KERNEL_INLINE void decode_backward_items_t(const DecodeBackwardWork<In, Acc>&
       out_line(dim), weights(rows_padded * kKeys), grads(rows_padded * kKeys), lse2(rows_padded), delta(rows_padded);
   std::vector<int64_t> visible(rows_padded), seen(rows_padded);
   for (int64_t item = first; item < last; ++item) {
-    const int64_t pair = item / w.parts, part = item % w.parts, b = pair / p.heads_kv, hk = pair % p.heads_kv;
+    const int64_t pair = item % w.pairs, part = item / w.pairs, b = pair / p.heads_kv, hk = pair % p.heads_kv;
     const int64_t key_begin = part * w.part_keys, key_end = std::min(p.seqlen_k, key_begin + w.part_keys);
     for (int64_t r = 0; r < rows_padded; ++r) {
       Acc* q_line = q_rows.data() + r * dim;
@@ -2017,7 +2017,7 @@ FT_KERNEL_INLINE void decode_backward_items_t(const DecodeBackwardWork<In, Acc>&
         for (int64_t e = 0; e < p.dim; ++e) dq_line[e] = static_cast<In>(line[e] * w.grad_scale);
         continue;
       }
-      std::copy(line, line + dim, w.partials + (item * rows + r) * dim);
+      std::copy(line, line + dim, w.partials + ((pair * w.parts + part) * rows + r) * dim);
     }
   }
 }
@@ -2080,6 +2080,16 @@ DecodeSplit decode_split(const Shape& p) {
   return {parts, padded((p.seqlen_k + parts - 1) / parts, kPad)};
 }
 
+// The backward's keys are split over the threads at least, and its units go part-major, so that each thread owns a
+// range of keys of every (batch, kv head): the dK and dV lines of all kv heads of a key share their memory pages,
+// and two threads writing the same fresh pages both take the page faults (twice the faults of one thread, on a
+// 2-core VM ~2 us each; notes.md, session twenty-one). Owning keys, they write disjoint pages.
+DecodeSplit decode_backward_split(const Shape& p) {
+  const int64_t most = std::max<int64_t>(1, p.seqlen_k / kDecodeMinPartKeys);
+  const int64_t parts = std::max(decode_split(p).parts, std::min<int64_t>(at::get_num_threads(), most));
+  return {parts, padded((p.seqlen_k + parts - 1) / parts, kPad)};
+}
+
 template <class In, class Acc>
 FT_KERNEL_OPTIONS void decode_forward_typed(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                                             double scale, bool causal, at::Tensor& out, at::Tensor& lse) {
@@ -2106,7 +2116,7 @@ FT_KERNEL_OPTIONS void decode_backward_typed(const at::Tensor& dout_, const at::
   const Shape p(q_, k_, causal);
   const Operand<In> q(q_), k(k_), v(v_), dout(dout_), out(out_);
   const RowValues lse(lse_), dlse(dlse_);
-  const DecodeSplit split = decode_split(p);
+  const DecodeSplit split = decode_backward_split(p);
   const int64_t rows = p.group * p.seqlen_q, pairs = p.batch * p.heads_kv, units = pairs * split.parts;
   std::vector<Acc> partials(split.parts > 1 ? units * rows * p.dim_padded : 0);
   const DecodeBackwardWork<In, Acc> work{p,
@@ -2118,6 +2128,7 @@ FT_KERNEL_OPTIONS void decode_backward_typed(const at::Tensor& dout_, const at::
                                          lse,
                                          dlse,
                                          dlse_.defined(),
+                                         pairs,
                                          split.parts,
                                          split.part_keys,
                                          dq.data_ptr<In>(),
@@ -2130,7 +2141,9 @@ FT_KERNEL_OPTIONS void decode_backward_typed(const at::Tensor& dout_, const at::
   at::parallel_for(0, units, std::max<int64_t>(1, kParallelWork / unit_work),
                    [&](int64_t first, int64_t last) { decode_backward_items(work, first, last); });
   if (split.parts > 1) {
-    at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) { decode_backward_merge(work, first, last); });
+    const int64_t merge_work = std::max<int64_t>(1, rows * p.dim_padded * split.parts);
+    at::parallel_for(0, pairs, std::max<int64_t>(1, kParallelWork / merge_work),
+                     [&](int64_t first, int64_t last) { decode_backward_merge(work, first, last); });
   }
 }
 
