@@ -2073,20 +2073,13 @@ struct DecodeSplit {
   int64_t parts, part_keys;
 };
 
-DecodeSplit decode_split(const Shape& p) {
+// at_least: the backward splits the keys over the threads at least, and its units go part-major, so that each
+// thread owns a range of keys of every (batch, kv head): a key's dK and dV lines of all kv heads share memory pages,
+// and two threads writing the same fresh pages both take their faults (notes.md, session twenty-one).
+DecodeSplit decode_split(const Shape& p, int64_t at_least = 1) {
   const int64_t pairs = p.batch * p.heads_kv, wanted = kDecodeUnitsPerThread * at::get_num_threads();
   const int64_t most = std::max<int64_t>(1, p.seqlen_k / kDecodeMinPartKeys);
-  const int64_t parts = std::clamp<int64_t>((wanted + pairs - 1) / pairs, 1, most);
-  return {parts, padded((p.seqlen_k + parts - 1) / parts, kPad)};
-}
-
-// The backward's keys are split over the threads at least, and its units go part-major, so that each thread owns a
-// range of keys of every (batch, kv head): the dK and dV lines of all kv heads of a key share their memory pages,
-// and two threads writing the same fresh pages both take the page faults (twice the faults of one thread, on a
-// 2-core VM ~2 us each; notes.md, session twenty-one). Owning keys, they write disjoint pages.
-DecodeSplit decode_backward_split(const Shape& p) {
-  const int64_t most = std::max<int64_t>(1, p.seqlen_k / kDecodeMinPartKeys);
-  const int64_t parts = std::max(decode_split(p).parts, std::min<int64_t>(at::get_num_threads(), most));
+  const int64_t parts = std::clamp<int64_t>(std::max((wanted + pairs - 1) / pairs, at_least), 1, most);
   return {parts, padded((p.seqlen_k + parts - 1) / parts, kPad)};
 }
 
@@ -2116,7 +2109,7 @@ FT_KERNEL_OPTIONS void decode_backward_typed(const at::Tensor& dout_, const at::
   const Shape p(q_, k_, causal);
   const Operand<In> q(q_), k(k_), v(v_), dout(dout_), out(out_);
   const RowValues lse(lse_), dlse(dlse_);
-  const DecodeSplit split = decode_backward_split(p);
+  const DecodeSplit split = decode_split(p, at::get_num_threads());
   const int64_t rows = p.group * p.seqlen_q, pairs = p.batch * p.heads_kv, units = pairs * split.parts;
   std::vector<Acc> partials(split.parts > 1 ? units * rows * p.dim_padded : 0);
   const DecodeBackwardWork<In, Acc> work{p,
