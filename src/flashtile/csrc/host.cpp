@@ -1585,9 +1585,9 @@ FT_KERNEL_INLINE void prefetch_keys(const Shape& p, const Operand<In>& x, int64_
 }
 
 // Up to one tile of K or V vectors, keys [first, first + count) of one (batch, kv head), as the products read
-// them: in place where the operand holds Acc along a unit stride and its head dim needs no padding, else
-// converted into the tile's buffer (its padding zero); past `count`, and in place of any vector `hide_nonfinite`
-// finds a NaN or Inf in, a vector of zeros.
+// them: in place where the tile is whole and the operand holds Acc along a unit stride with a head dim that needs
+// no padding, else converted into the tile's buffer (its padding zero); past `count`, and in place of any vector
+// `hide_nonfinite` finds a NaN or Inf in, a vector of zeros.
 template <class In, class Acc>
 struct DecodeTile {
   static constexpr int64_t kKeys = kDecodeTileKeys<Acc>;
@@ -1598,25 +1598,22 @@ struct DecodeTile {
 
   FT_KERNEL_INLINE void load(const Shape& p, const Operand<In>& x, int64_t b, int64_t hk, int64_t first,
                              int64_t count) {
-    bool in_place = x.sd == 1 && p.dim == p.dim_padded;
-    if constexpr (!std::is_same_v<In, Acc>) in_place = false;
     // Held in locals: the stores to `rows` might otherwise alias x's fields, which would be reloaded every key.
     const In* first_vector = x.at(b, first, hk);
     const int64_t step = x.ss, sd = x.sd;
+    if constexpr (std::is_same_v<In, Acc>) {
+      if (sd == 1 && p.dim == p.dim_padded && count == kKeys) {  // a whole tile in place: no test a key
+        for (int64_t j = 0; j < kKeys; ++j) rows[j] = first_vector + j * step;
+        return;
+      }
+    }
     for (int64_t j = 0; j < kKeys; ++j) {
       if (j >= count) {
         rows[j] = zeros.data();
-      } else if constexpr (std::is_same_v<In, Acc>) {
-        if (in_place) {
-          rows[j] = first_vector + j * step;
-          continue;
-        }
-        load_vector(first_vector + j * step, sd, p.dim, buffer.data() + j * p.dim_padded);
-        rows[j] = buffer.data() + j * p.dim_padded;
-      } else {
-        load_vector(first_vector + j * step, sd, p.dim, buffer.data() + j * p.dim_padded);
-        rows[j] = buffer.data() + j * p.dim_padded;
+        continue;
       }
+      load_vector(first_vector + j * step, sd, p.dim, buffer.data() + j * p.dim_padded);
+      rows[j] = buffer.data() + j * p.dim_padded;
     }
   }
 
