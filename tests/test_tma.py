@@ -28,18 +28,39 @@ def test_tensor_maps_are_kept_by_address_shape_strides_and_dtype(monkeypatch):
     assert tma.kernel_argument(k, k, KvBox(0, 32)) == tma.NO_MAPS
 
 
-def test_rung_five_takes_k_v_then_q_maps(monkeypatch):
-    """Rung 5's producer loads Q through a map too: the second argument is K's, V's, then Q's map (common/tma.cuh
-    QkvMaps), as many bytes as its spec declares."""
+def test_rung_five_takes_k_v_q_then_o_maps(monkeypatch):
+    """Rung 5's producer loads Q through a map and its consumers store O through one: the second argument is K's,
+    V's, Q's, then O's map (common/tma.cuh QkvoMaps), as many bytes as its spec declares, with O's box one warp's
+    rows; the maps are kept by the addresses of all four."""
     monkeypatch.setattr(tma, "_encode", lambda t, box: bytes([t.shape[-1] % 251, box.rows]) * (tma.MAP_BYTES // 2))
     tma._kept.clear()
-    q, k, v = (torch.zeros(1, 128, 2, d, dtype=torch.bfloat16) for d in (8, 16, 24))
-    spec = specs.hopper_fwd_spec("bf16", 64, 64, specs.hopper_fwd_tile(64, 64, "sm_90a"))
-    argument = tma.kernel_argument(k, v, spec.kv_maps, q, spec.q_map)
-    assert len(argument) == spec.maps_bytes == 3 * tma.MAP_BYTES
-    assert [argument[i * tma.MAP_BYTES] for i in range(3)] == [16, 24, 8]
-    assert argument[2 * tma.MAP_BYTES + 1] == specs.WGMMA_M           # Q's box: one consumer's rows
-    assert tma.kernel_argument(k, v, spec.kv_maps) == argument[:2 * tma.MAP_BYTES]
+    q, k, v, o = (torch.zeros(1, 128, 2, d, dtype=torch.bfloat16) for d in (8, 16, 24, 40))
+    for d, tile in specs.HOPPER_FWD_TILES.items():
+        spec = specs.hopper_fwd_spec("bf16", d, d, tile)
+        argument = tma.kernel_argument(k, v, spec.kv_maps, q, spec.q_map, o, spec.o_map)
+        assert len(argument) == spec.maps_bytes == 4 * tma.MAP_BYTES
+        assert [argument[i * tma.MAP_BYTES] for i in range(4)] == [16, 24, 8, 40]
+        assert argument[2 * tma.MAP_BYTES + 1] == specs.WGMMA_M           # Q's box: one consumer's rows
+        assert argument[3 * tma.MAP_BYTES + 1] == specs.O_STORE_ROWS      # O's box: one warp's rows
+        assert tma.kernel_argument(k, v, spec.kv_maps) == argument[:2 * tma.MAP_BYTES]
+
+
+def test_a_forward_plan_keeps_its_maps_by_the_output_address_too(monkeypatch):
+    """O is a fresh tensor each call: a plan whose kernel stores O through a map must not reuse the map of an
+    earlier output at another address."""
+    from flashtile import plans
+    monkeypatch.setattr(tma, "_encode", lambda t, box: t.data_ptr().to_bytes(8, "little") * (tma.MAP_BYTES // 8))
+    monkeypatch.setattr(plans.launch, "run", lambda launches, params, struct, extra: made.append(extra))
+    tma._kept.clear()
+    made = []
+    spec = specs.hopper_fwd_spec("bf16", 64, 64, specs.HOPPER_FWD_TILES[64])
+    plan = plans.FwdPlan((), None, None, 0, (), spec.kv_maps, spec.q_map, spec.o_map)
+    q, k, v = (torch.zeros(1, 128, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    outputs = [(torch.zeros_like(q), None) for _ in range(2)]
+    for o in outputs * 2:
+        plan.run(q, k, v, out=o)
+    stored = [int.from_bytes(m[3 * tma.MAP_BYTES:3 * tma.MAP_BYTES + 8], "little") for m in made]
+    assert stored == [o.data_ptr() for o, _ in outputs * 2]
 
 
 def test_hopper_backward_takes_k_v_q_then_do_maps(monkeypatch):

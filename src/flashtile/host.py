@@ -257,12 +257,12 @@ def forward_of(plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device:
     if module is None or plan.scratch_floats:
         return None
     packed = launch.PARAMS_STRUCT.pack(*(0,) * plans.ADDRESS_FIELDS, *plan.tail)
-    box, q_box = plan.kv_box, plan.q_box
-    make_maps = None if box is None else (lambda q, k, v: tma.kernel_argument(k, v, box, q, q_box))
+    box, q_box, o_box = plan.kv_box, plan.q_box, plan.o_box
+    make_maps = None if box is None else (lambda q, k, v, o: tma.kernel_argument(k, v, box, q, q_box, o, o_box))
     backward = None if backward_plan is None else _backward_of(module, backward_plan, device)
     return module.make_forward(_steps(plan.launches), packed, launch.primary_context(device),
                                list(plan.out_shape or ()), list(plan.lse_shape or ()), make_maps, q_box is not None,
-                               backward)
+                               o_box is not None, backward)
 
 
 class CpuKernel(NamedTuple):

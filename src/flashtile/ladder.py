@@ -32,12 +32,12 @@ def _padded_dims(variant: Variant) -> int:
 
 def fwd_plan(problem: FwdProblem, launches: tuple[Launch, ...], scratch_floats: int = 0,
              kv_box: specs.KvBox | None = None, outputs: tuple | None = None,
-             q_box: specs.KvBox | None = None) -> plans.FwdPlan:
+             q_box: specs.KvBox | None = None, o_box: specs.KvBox | None = None) -> plans.FwdPlan:
     """The plan of `launches` over `problem`: the params after the addresses are computed here, once, for
     outputs laid out as `outputs` (default: as plans.empty_outputs allocates them)."""
     o, lse = outputs or plans.empty_outputs(problem.q, problem.out_shape(), problem.lse_shape())
     return plans.FwdPlan(launches, problem.out_shape(), problem.lse_shape(), scratch_floats,
-                         problem.params(o, lse)[plans.ADDRESS_FIELDS:], kv_box, q_box)
+                         problem.params(o, lse)[plans.ADDRESS_FIELDS:], kv_box, q_box, o_box)
 
 
 def _naive_plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None = None) -> plans.FwdPlan:
@@ -90,7 +90,8 @@ def _persistent_plan(entry: str, threads_of):
             units = (-(-m_blocks // 2) if paired else m_blocks) * problem.heads_q * problem.batch
             grid = (max(1, min(units, sm_count(problem.q.device.index))), 1, 1)
         step = Launch(module.kernels[entry], grid, threads_of(defines), spec.smem_bytes)
-        return fwd_plan(problem, (step,), kv_box=spec.kv_maps, outputs=outputs, q_box=spec.q_map)
+        return fwd_plan(problem, (step,), kv_box=spec.kv_maps, outputs=outputs, q_box=spec.q_map,
+                        o_box=spec.o_map)
     return plan
 
 

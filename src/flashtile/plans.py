@@ -63,8 +63,9 @@ class FwdPlan:
     tail: tuple                         # the params after the address fields
     kv_box: KvBox | None                # the K/V tensor maps' box (tma.kernel_argument); None: one argument
     q_box: KvBox | None = None          # Q's map's box, where the kernel loads Q through one
-    # The tensor maps by the addresses they describe (K's and V's, and Q's where there is a Q map): the plan
-    # fixes everything else a map describes.
+    o_box: KvBox | None = None          # O's map's box, where the kernel stores O through one
+    # The tensor maps by the addresses they describe (K's and V's, and Q's and O's where there are such maps):
+    # the plan fixes everything else a map describes.
     maps: dict[tuple[int, ...], bytes] = field(default_factory=dict, compare=False)
 
     def run(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, out=None):
@@ -81,8 +82,9 @@ class FwdPlan:
             addresses += (_address(cu_seqlens_q), _address(cu_seqlens_k), _address(alibi_slopes))
         extra = None
         if self.kv_box is not None:
-            key = addresses[1:3] if self.q_box is None else addresses[:3]
-            extra = kept_maps(self.maps, key, lambda: tma.kernel_argument(k, v, self.kv_box, q, self.q_box))
+            key = (addresses[0] if self.q_box else 0, *addresses[1:3], addresses[3] if self.o_box else 0)
+            extra = kept_maps(self.maps, key,
+                              lambda: tma.kernel_argument(k, v, self.kv_box, q, self.q_box, o, self.o_box))
         launch.run(self.launches, addresses + self.tail, launch.PARAMS_STRUCT, extra)
         return o, lse
 

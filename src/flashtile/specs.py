@@ -46,13 +46,14 @@ class KernelSpec:
     kv_maps: KvBox | None = None         # the kernels' second argument: K's and V's tensor maps; None: none
     q_map: KvBox | None = None           # Q's map after them (rung 5's producer loads Q); None: none
     do_map: KvBox | None = None          # dO's map after Q's (the Hopper backward's producer); None: none
+    o_map: KvBox | None = None           # O's map after Q's (rung 5's consumers store O through it); None: none
 
     @property
     def maps_bytes(self) -> int:
         """Bytes of the second argument (0: the kernels take one)."""
         if self.kv_maps is None:
             return 0
-        return TENSOR_MAP_BYTES * (2 + (self.q_map is not None) + (self.do_map is not None))
+        return TENSOR_MAP_BYTES * (2 + sum(box is not None for box in (self.q_map, self.do_map, self.o_map)))
 
     @property
     def name(self) -> str:
@@ -387,6 +388,7 @@ def hopper_fwd_threads(block_m: int) -> int:
 WARPGROUP_THREADS = 128
 WARPGROUP_WARPS = 4
 WIDE_BOX_COLS = 64             # one 128-byte swizzle block of 16-bit elements
+O_STORE_ROWS = 16              # rung 5's O map: a warp stores its own rows of a consumer's 64
 PRODUCER_REGISTERS = 24        # the producer holds a few addresses and counters
 REGISTER_FILE = 65536          # 32-bit registers per SM
 REGISTER_STEP = 8              # setmaxnreg and the compiler's per-thread allocation move in steps of 8
@@ -408,12 +410,12 @@ def consumer_registers(consumers: int, producer_registers: int = PRODUCER_REGIST
 
 HOPPER_FWD_TILES = {
     64: HopperFwdTile(192, 128, 3, "three consumers (S 64 + O 32 + P 32 registers fit 160): more rows per K/V "
-                                   "tile read; three stages beat two and four; 145 KB"),
+                                   "tile read; three stages beat two and four; 169 KB with O's buffer"),
     128: HopperFwdTile(128, 128, 2, "two consumers of 240 registers: S 64 + O 64 + P 32; two stages level with "
-                                    "three once K and V free their slots apart; 193 KB"),
+                                    "three once K and V free their slots apart; 225 KB with O's buffer, so no third"),
     256: HopperFwdTile(128, 64, 2, "two consumers: O 128 + S 32 + P 16 registers; a 128-key tile would need "
-                                   "S 64 more; 193 KB, so two stages; one work tile per block: the persistent "
-                                   "loop's bookkeeping spills 8 bytes under NVRTC 13.0", persistent=False),
+                                   "S 64 more; 193 KB, so two stages; one work tile per block (O staged over Q): the "
+                                   "persistent loop's bookkeeping spills 8 bytes under NVRTC 13.0", persistent=False),
 }
 
 
@@ -430,10 +432,11 @@ def hopper_fwd_q_buffers(tile: HopperFwdTile) -> int:
 
 
 def hopper_fwd_smem(d: int, dv: int, tile: HopperFwdTile) -> int:
-    """The Q (later O) buffers, the K/V stages, two mbarriers per Q buffer and four per stage; a multiple of the
-    swizzle atom."""
+    """O's buffer (persistent blocks; one tile's O is staged over its Q), the Q buffers, the K/V stages, two
+    mbarriers per Q buffer and four per stage; a multiple of the swizzle atom."""
     buffers = hopper_fwd_q_buffers(tile)
-    tiles = buffers * tile.block_m * d + tile.stages * tile.block_n * (d + dv)
+    o_buffer = tile.block_m * dv if tile.persistent else 0
+    tiles = o_buffer + buffers * tile.block_m * d + tile.stages * tile.block_n * (d + dv)
     storage = tiles * ELEM_BYTES + (2 * buffers + 4 * tile.stages) * MBARRIER_BYTES
     return -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
 
@@ -444,7 +447,8 @@ def hopper_fwd_spec(dtype: str, d: int, dv: int, tile: HopperFwdTile) -> KernelS
                ("FT_CONSUMER_REGISTERS", consumer_registers(tile.consumers)), ("FT_PERSISTENT", int(tile.persistent)),
                ("FT_Q_BUFFERS", hopper_fwd_q_buffers(tile)))
     return KernelSpec("wgmma/fwd.cu", ("attn_fwd",), dtype, "sm_90a", defines, hopper_fwd_smem(d, dv, tile),
-                      kv_maps=KvBox(tile.block_n, WIDE_BOX_COLS), q_map=KvBox(WGMMA_M, WIDE_BOX_COLS))
+                      kv_maps=KvBox(tile.block_n, WIDE_BOX_COLS), q_map=KvBox(WGMMA_M, WIDE_BOX_COLS),
+                      o_map=KvBox(O_STORE_ROWS, WIDE_BOX_COLS))
 
 
 # The backward's two row kernels (preprocess: D = rowsum(dO * O) and the base-2 LSE; the dQ conversion): one

@@ -96,15 +96,22 @@ def kv_maps(k: torch.Tensor, v: torch.Tensor, box: KvBox) -> bytes:
 
 
 def kernel_argument(k: torch.Tensor, v: torch.Tensor, box: KvBox | None, q: torch.Tensor | None = None,
-                    q_box: KvBox | None = None) -> bytes | None:
-    """The forward kernel's second argument (its spec's `kv_maps` and `q_map` say which): None for kernels that
-    take one argument, empty maps for builds that load K/V with cp.async (box rows 0), else K's and V's maps,
-    and Q's after them where the kernel loads Q through one (`q_box`)."""
+                    q_box: KvBox | None = None, o: torch.Tensor | None = None,
+                    o_box: KvBox | None = None) -> bytes | None:
+    """The forward kernel's second argument (its spec's `kv_maps`, `q_map` and `o_map` say which): None for
+    kernels that take one argument, empty maps for builds that load K/V with cp.async (box rows 0), else K's and
+    V's maps, Q's after them where the kernel loads Q through one (`q_box`), and O's after Q's where the kernel
+    stores O through one (`o_box`)."""
     if box is None:
         return None
     if not box.rows:
         return NO_MAPS
-    return kv_maps(k, v, box) if q_box is None else kv_maps(k, v, box) + _map(q, q_box)
+    maps = kv_maps(k, v, box)
+    if q_box is not None:
+        maps += _map(q, q_box)
+    if o_box is not None:
+        maps += _map(o, o_box)
+    return maps
 
 
 def backward_argument(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,

@@ -397,21 +397,24 @@ struct Forward {
   Launches launches;
   std::vector<int64_t> out_shape;  // empty: the output is at::empty_like(q)
   std::vector<int64_t> lse_shape;  // empty: no LSE
-  py::object make_maps;  // (q, k, v) -> the tensor maps as bytes (K's, V's, then Q's if maps_of_q); None: one argument
+  py::object make_maps;  // (q, k, v, o) -> the tensor maps as bytes (K's, V's, then Q's and O's if the flags say so);
+                         // None: one argument
   bool maps_of_q;        // the maps describe Q as well
+  bool maps_of_o;        // ... and O
   std::unordered_map<MapsKey, std::string, MapsKeyHash> maps;
   std::mutex maps_lock;
   std::shared_ptr<const Backward> backward;
 
   Forward(Launches launches, std::vector<int64_t> out_shape, std::vector<int64_t> lse_shape, py::object make_maps,
-          bool maps_of_q, std::shared_ptr<Backward> backward)
+          bool maps_of_q, bool maps_of_o, std::shared_ptr<Backward> backward)
       : launches(std::move(launches)), out_shape(std::move(out_shape)), lse_shape(std::move(lse_shape)),
-        make_maps(std::move(make_maps)), maps_of_q(maps_of_q), backward(std::move(backward)) {}
+        make_maps(std::move(make_maps)), maps_of_q(maps_of_q), maps_of_o(maps_of_o), backward(std::move(backward)) {}
 
-  void* maps_for(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, MapsBuffer& out) {
+  void* maps_for(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+                 MapsBuffer& out) {
     if (make_maps.is_none()) return nullptr;
-    const MapsKey key{maps_of_q ? address_of(q) : 0, address_of(k), address_of(v), 0};
-    kept_maps(maps, maps_lock, key, [&] { return make_maps(q, k, v); }, out.bytes);
+    const MapsKey key{maps_of_q ? address_of(q) : 0, address_of(k), address_of(v), maps_of_o ? address_of(o) : 0};
+    kept_maps(maps, maps_lock, key, [&] { return make_maps(q, k, v, o); }, out.bytes);
     return out.bytes;
   }
 
@@ -424,7 +427,8 @@ struct Forward {
     std::memcpy(buffer.bytes, launches.params.data(), launches.params.size());
     put_operands(buffer, q, k, v, o, lse);
     MapsBuffer maps_buffer;
-    launches.run(0, launches.steps.size(), buffer.bytes, maps_for(q, k, v, maps_buffer), current_stream(q.device()));
+    launches.run(0, launches.steps.size(), buffer.bytes, maps_for(q, k, v, o, maps_buffer),
+                 current_stream(q.device()));
     return {o, lse};
   }
 
@@ -2489,9 +2493,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                       lse_head_dim, std::move(make_maps));
   });
   m.def("make_forward", [](const py::list& steps, py::bytes packed, uintptr_t context, std::vector<int64_t> out_shape,
-                           std::vector<int64_t> lse_shape, py::object make_maps, bool maps_of_q,
+                           std::vector<int64_t> lse_shape, py::object make_maps, bool maps_of_q, bool maps_of_o,
                            std::shared_ptr<Backward> backward) {
     return std::make_shared<Forward>(launches_of(steps, packed, context), std::move(out_shape), std::move(lse_shape),
-                                     std::move(make_maps), maps_of_q, std::move(backward));
+                                     std::move(make_maps), maps_of_q, maps_of_o, std::move(backward));
   });
 }

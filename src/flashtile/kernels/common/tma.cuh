@@ -16,7 +16,7 @@
 
 struct alignas(64) TensorMap { unsigned long long opaque[16]; };
 struct KvMaps { TensorMap k, v; };  // the forward's second parameter: K and V as (dim, rows, heads, batch)
-struct QkvMaps { TensorMap k, v, q; };  // rung 5's: K and V as above, then Q as (dim, rows, heads, batch)
+struct QkvoMaps { TensorMap k, v, q, o; };  // rung 5's: K and V as above, then Q and O as (dim, rows, heads, batch)
 struct BwdMaps { TensorMap k, v, q, dout; };  // the Hopper backward's: K, V, Q and dO, each as above
 
 constexpr int kMbarrierBytes = 8;
@@ -53,4 +53,21 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, int c
     asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2, %3, %4, %5}], [%6];"
                  :: "r"(dst), "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+
+// The reverse: one box from shared memory at `src` into the tensor at coordinates (c0 innermost .. c3); the part of
+// the box that lies outside the tensor is not written (a box wholly outside it is an illegal instruction). The
+// copy runs in the background, as the bulk operations below do.
+__device__ __forceinline__ void tma_store_4d(const TensorMap& map, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
+                 :: "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src) : "memory");
+}
+
+// Closes this thread's group of bulk operations (stores and reductions from shared memory) issued since the last.
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until this thread's bulk operations have read their sources (kReadOnly) or completed.
+template <bool kReadOnly>
+__device__ __forceinline__ void bulk_wait_all() {
+    if constexpr (kReadOnly) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    else asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }

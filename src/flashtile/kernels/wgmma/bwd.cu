@@ -227,15 +227,8 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, u32 src, u32 bytes) 
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
                  :: "l"(dst), "r"(src), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Orders this thread's generic accesses to global memory with the async proxy's (the bulk reductions).
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
-// Waits until this thread's bulk operations have read their sources (kReadOnly) or completed.
-template <bool kReadOnly>
-__device__ __forceinline__ void bulk_wait_all() {
-    if constexpr (kReadOnly) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    else asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
 
 // The writer warp: for each step, once the consumers have staged the tile's dQ, each lane adds whole rows of it
 // to the fp32 accumulator with bulk reductions (rows past the sequence are not added) and hands the staging

@@ -28,9 +28,13 @@
 //           * persistent blocks (one per SM without a mask) take the work tiles (query block, head, batch) in
 //             turn; the producer loads a block's next tile (its Q into the other buffer, its first K and V) while
 //             the consumers finish the last one.
+//           * O leaves by the copy engine: each warp stages its 16 rows in shared memory and one lane issues their
+//             tensor store, so no warp waits for another at the epilogue, and the store runs on while the warp
+//             starts its next tile (persistent blocks stage O apart from Q, so Q's buffer goes back to the producer
+//             as soon as the last product has read it).
 //           * a consumer warpgroup computes only the key tiles its own 64 rows see: under a causal mask the
 //             block's first rows stop a tile or more before its last, and rows past the sequence see none.
-// Wastes:   O leaves through ordinary stores.
+// Wastes:   a work tile's first S and last P V run without a partner product in the same warpgroup.
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
 #include "../common/tile.cuh"
@@ -64,7 +68,8 @@ constexpr int kScoreAccumulators = kBlockN / 2;   // per thread: 64 rows x kBloc
 constexpr int kOutAccumulators = kOutN / 2;
 constexpr int kScoreSteps = kBlockN / kWgmmaK;    // k16 steps of O += P V
 
-using QTile = SwizzledTile<kWgmmaM, kHeadDim, true>;  // one consumer's rows of Q, later of O
+using QTile = SwizzledTile<kWgmmaM, kHeadDim, true>;  // one consumer's rows of Q (and of O where O has no buffer)
+using OTile = SwizzledTile<kWgmmaM, kHeadDimV, true>; // one consumer's rows of O
 using KTile = SwizzledTile<kBlockN, kHeadDim, true>;
 using VTile = SwizzledTile<kBlockN, kHeadDimV, true>;
 template <typename Tile>
@@ -72,12 +77,19 @@ constexpr u32 kColumnBlockBytes = Tile::kBlockElems * sizeof(elem_t);  // a desc
 constexpr u32 kKStageBytes = KTile::kElems * sizeof(elem_t), kVStageBytes = VTile::kElems * sizeof(elem_t);
 constexpr u32 kQTileBytes = QTile::kElems * sizeof(elem_t), kQBufferBytes = kConsumers * kQTileBytes;
 
-struct __align__(kSwizzleAtomBytes) SharedStorage {
+// Persistent blocks stage O in a buffer of its own, so that the next tile's Q can land while O's store still
+// reads it; a block of one tile stages O over its Q (the empty base takes no space, and its null `o` is never
+// used: the code that would is under `if constexpr`, but still has to compile).
+constexpr bool kOBuffer = kPersistent;
+template <bool kOwn> struct OBuffer { elem_t o[kConsumers][OTile::kElems]; };
+template <> struct OBuffer<false> { static constexpr elem_t (*o)[OTile::kElems] = nullptr; };
+
+struct __align__(kSwizzleAtomBytes) SharedStorage : OBuffer<kOBuffer> {
     elem_t q[kQBuffers][kConsumers][QTile::kElems];
     elem_t k[kStages][KTile::kElems];
     elem_t v[kStages][VTile::kElems];
     unsigned long long q_full[kQBuffers];  // complete when a work tile's Q has landed in buffer b
-    unsigned long long q_empty[kQBuffers]; // complete when every consumer warp has read its rows of O out of b
+    unsigned long long q_empty[kQBuffers]; // complete when every consumer warp is done with b
     unsigned long long k_full[kStages];    // complete when stage s's K tile has landed
     unsigned long long v_full[kStages];    // ... its V tile
     unsigned long long k_empty[kStages];   // complete when every consumer warp's S = Q K^T has read stage s's K
@@ -86,8 +98,7 @@ struct __align__(kSwizzleAtomBytes) SharedStorage {
 
 constexpr float kRescaleThreshold = 8.f;  // as rung 4 (mma/fwd.cu): O is rescaled only past 2^8
 constexpr int kProducerThread = 0;
-constexpr int kConsumerBarrierBase = 1;   // named barrier 1 + c: consumer warpgroup c alone (0 is __syncthreads)
-constexpr int kTurnBarrierBase = kConsumerBarrierBase + kConsumers;  // + c: consumer c's turn on the tensor cores
+constexpr int kTurnBarrierBase = 1;  // named barrier 1 + c: consumer c's turn on the tensor cores (0 is __syncthreads)
 
 template <bool B> struct Bool { static constexpr bool value = B; };
 
@@ -119,7 +130,7 @@ __device__ __forceinline__ void add_values(float (&o)[kOutProducts][kOutAccumula
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
-attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps maps) {
+attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps maps) {
     extern __shared__ __align__(kSwizzleAtomBytes) unsigned char smem_raw[];
     SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
     if (dynamic_smem_bytes() < sizeof(SharedStorage)) __trap();
@@ -250,7 +261,6 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps m
     const int consumer = warpgroup - 1;
     const int tid = threadIdx.x % kWarpgroupThreads, warp = tid / kWarpSize, lane = tid % kWarpSize;
     const int g = lane / kQuad, t = lane % kQuad;
-    const int barrier = kConsumerBarrierBase + consumer;
     const float log2_factor = p.scale_log2;
     // Ping-pong: the consumers take turns issuing their products (named barriers in a ring), so that while one
     // warpgroup's products run on the tensor cores the others compute their softmax. Each round of products is
@@ -452,9 +462,17 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps m
         // The epilogue works its offsets (and its Q buffer's mbarrier address) out again rather than keep them live
         // through the loop, as the schedule above does with its numbers: the loop keeps those registers.
         const Problem late = locate_problem(p, w.b, w.h);
-        // Epilogue: normalise, stage this warpgroup's rows of O over its rows of Q (its products are done with them),
-        // store 16 bytes at a time, hand the buffer back to the producer.
-        elem_t* q_rows = smem.q[buffer][consumer];
+        if constexpr (kOBuffer) {  // the last product that reads Q has landed in this warp
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(smem_addr(&smem.q_empty[buffer]));
+        }
+        // Epilogue: normalise; stage this warp's 16 rows of O (once its last store has read them), with the LSE
+        // beside it; one lane stores them, a column block at a time, if any of them lies in the sequence (a box
+        // wholly outside the tensor is not a legal store); the map leaves out rows past the sequence and columns
+        // past the real head dim.
+        elem_t* o_rows = kOBuffer ? smem.o[consumer] : smem.q[buffer][consumer];
+        if (kOBuffer && lane == 0) bulk_wait_all<true>();
+        __syncwarp();
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int local_row = warp * kMmaM + g + 8 * half;
@@ -464,27 +482,25 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvMaps m
             for (int n = 0; n < kOutProducts; ++n)
 #pragma unroll
                 for (int j = 0; j < kOutN / kMmaN; ++j)
-                    *reinterpret_cast<u32*>(q_rows + QTile::offset(local_row, n * kOutN + j * kMmaN + 2 * t)) =
+                    *reinterpret_cast<u32*>(o_rows + OTile::offset(local_row, n * kOutN + j * kMmaN + 2 * t)) =
                         pack2<elem_t>(o[n][4 * j + 2 * half] * inv_l, o[n][4 * j + 2 * half + 1] * inv_l);
             const int row = row0 + local_row;
             if (p.lse != nullptr && t == 0 && 0 <= row && row < late.seqlen_q)
                 p.lse[late.lse_offset + row] =
                     saw_keys(l) ? (row_max[half] * log2_factor + __log2f(l)) / kLog2e : kNegInf;
         }
-        named_barrier_sync(barrier, kWarpgroupThreads);
-        elem_t* out = static_cast<elem_t*>(p.o) + late.o_offset;
-        constexpr int kVecsPerRow = kHeadDimV / kElemsPerVector;
-        for (int idx = tid; idx < kWgmmaM * kVecsPerRow; idx += kWarpgroupThreads) {
-            const int local_row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * kElemsPerVector;
-            const int row = row0 + local_row;
-            if (0 <= row && row < late.seqlen_q && col < p.head_dim_v)
-                *reinterpret_cast<uint4*>(out + (i64)row * p.o_row_stride + col) =
-                    *reinterpret_cast<const uint4*>(q_rows + QTile::offset(local_row, col));
-        }
-        fence_proxy_async();  // these reads come before the copy engine's writes of the buffer's next Q
+        fence_proxy_async();  // the staged rows, visible to the copy engine
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(smem_addr(&smem.q_empty[buffer]));
+        if (lane == 0 && warp_row0 + kMmaM > 0 && warp_row0 < late.seqlen_q) {
+            const u32 warp_rows = smem_addr(o_rows) + warp * kMmaM * kSwizzleRowBytes;
+#pragma unroll
+            for (int blk = 0; blk < kHeadDimV / kSwizzleRowElems; ++blk)
+                tma_store_4d(maps.o, warp_rows + blk * kColumnBlockBytes<OTile>, blk * kSwizzleRowElems,
+                             (int)late.q_start + warp_row0, w.h, w.b);
+            bulk_commit();
+        }
     };
     for_each_tile(consume);
     if (kPingPong && took_turns && consumer == 0) turn_begin();  // the last round's pass, which nobody else takes
+    if (lane == 0) bulk_wait_all<true>();  // the last stores have read shared memory before the block leaves it
 }
