@@ -338,6 +338,9 @@ OWN_CASES = [
     (1, 16, 16, 16, 16, 128, True, torch.float32),
     (3, 5, 17, 6, 3, 40, False, torch.bfloat16),
     (1, 128, 128, 2, 2, 64, True, torch.float32),
+    (2, 256, 256, 8, 2, 64, False, torch.float32),  # 4M multiply-adds a head: GQA's wider limit
+    (1, 160, 200, 4, 4, 128, True, torch.bfloat16),  # and the causal mask's, fewer queries than keys
+    (1, 300, 100, 2, 2, 128, True, torch.float32),   # more queries than keys
 ]
 
 
@@ -356,7 +359,7 @@ def test_the_own_kernel_matches_the_fp64_reference_with_the_lse_and_its_gradient
     monkeypatch.setenv(host.MODE_ENV, "on")
     batch, sq, sk, hq, hkv, d, causal, dtype = case
     leaves = _cpu_leaves(case, seed=1)
-    assert host.extension().own_kernel_serves(*leaves)
+    assert host.extension().own_kernel_serves(*leaves, causal)
     api.clear_calls()
     out, lse = flashtile.attention(*leaves, causal=causal, return_lse=True)
     assert [c.cpu_kernel is not None for c in api._calls.values()] == [True], "not the C++ kernel call"
@@ -396,19 +399,20 @@ def test_the_own_kernels_training_call_records_the_cpu_node_and_reads_any_stride
 @needs_build
 def test_the_own_kernel_leaves_to_torchs_kernel_what_it_measured_slower_at(monkeypatch):
     """host.cpp's limits. The small-problem path: not too few queries to spread each head's copy of K and V over
-    (decoding), not too much K and V to copy from cache, not too many keys or too much work a head. The decode
-    path takes what the small-problem path leaves, up to DECODE_QUERIES queries and DECODE_ROWS query rows per
-    (batch, kv head) (its group's heads times seqlen_q), any number of keys. The rest keeps torch's kernel
-    (square or not causal) or the general path."""
+    (decoding), not too much K and V to copy from cache, not too many keys or too much work a head (four times
+    more under a causal mask or in a GQA group). The decode path takes what the small-problem path leaves, up to
+    DECODE_QUERIES queries and DECODE_ROWS query rows per (batch, kv head) (its group's heads times seqlen_q), any
+    number of keys. The rest keeps torch's kernel (square or not causal) or the general path."""
     monkeypatch.setenv(host.MODE_ENV, "on")
     module = host.extension()
 
     def operands(batch, sq, sk, hq, hkv, d):
         return torch.zeros(batch, sq, hq, d), torch.zeros(batch, sk, hkv, d), torch.zeros(batch, sk, hkv, d)
 
-    def path(*shape):
-        small, decode = module.own_small_serves(*operands(*shape)), module.own_decode_serves(*operands(*shape))
-        assert not (small and decode) and module.own_kernel_serves(*operands(*shape)) == (small or decode)
+    def path(*shape, causal=False):
+        tensors = operands(*shape)
+        small, decode = module.own_small_serves(*tensors, causal), module.own_decode_serves(*tensors, causal)
+        assert not (small and decode) and module.own_kernel_serves(*tensors, causal) == (small or decode)
         return "small" if small else "decode" if decode else "torch"
     assert path(1, 8, 8, 2, 2, 16) == path(1, 128, 128, 8, 8, 64) == path(1, 4, 200, 4, 1, 64) == "small"
     assert path(8, 1, 128, 32, 32, 128) == "decode"     # decoding: one query a head
@@ -420,8 +424,14 @@ def test_the_own_kernel_leaves_to_torchs_kernel_what_it_measured_slower_at(monke
     assert path(1, DECODE_QUERIES, 300, DECODE_ROWS // DECODE_QUERIES * 4, 4, 16) == "decode"
     assert path(1, DECODE_QUERIES, 300, (DECODE_ROWS // DECODE_QUERIES + 1) * 4, 4, 16) == "torch"  # rows
     assert path(1, 128, 128, 2, 2, 128) == "torch"      # 2M multiply-adds a head
+    assert path(1, 256, 256, 8, 8, 64) == path(4, 256, 256, 16, 16, 32) == "torch"  # 4M and 2M
+    # a causal mask, or a GQA group sharing each copy: up to 4M multiply-adds a head
+    assert path(1, 128, 128, 2, 2, 128, causal=True) == path(1, 256, 256, 8, 8, 64, causal=True) == "small"
+    assert path(4, 256, 256, 16, 4, 64) == path(2, 128, 128, 16, 8, 128) == path(4, 256, 256, 16, 4, 32) == "small"
+    assert path(1, 256, 256, 8, 8, 128, causal=True) == path(1, 256, 256, 8, 2, 128) == "torch"  # 8M
+    assert path(1, 512, 512, 8, 2, 16, causal=True) == "torch"                                    # keys
     bf16 = [t.bfloat16() for t in operands(1, 1, 4096, 8, 2, 64)]
-    assert module.own_decode_serves(*bf16) and not module.own_decode_serves(bf16[0].float(), *bf16[1:])
+    assert module.own_decode_serves(*bf16, False) and not module.own_decode_serves(bf16[0].float(), *bf16[1:], False)
 
 
 OWN_NONFINITE_CASES = [(setup, poison) for setup, poison in NONFINITE_CASES
@@ -441,7 +451,7 @@ def test_the_own_kernel_poisons_exactly_the_rows_and_gradients_the_rule_names(mo
     setup, poison = case
     (q, k, v, clean_options), (pq, pk, pv, options), dout = make(setup, poison)
     leaves = [t.requires_grad_() for t in (pq, pk, pv)]
-    assert host.extension().own_kernel_serves(*leaves)
+    assert host.extension().own_kernel_serves(*leaves, bool(options.get("causal")))
     api.clear_calls()
     out = flashtile.attention(*leaves, **options)
     assert out.grad_fn.name() == "flashtile::CpuAttentionBackward"
@@ -469,7 +479,7 @@ def test_gradcheck_through_the_own_kernel_in_fp64(monkeypatch, causal):
     q = torch.randn(1, 7, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 5, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 5, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    assert host.extension().own_kernel_serves(q, k, v)
+    assert host.extension().own_kernel_serves(q, k, v, causal)
     api.clear_calls()
     assert torch.autograd.gradcheck(lambda q, k, v: flashtile.attention(q, k, v, causal=causal), (q, k, v))
     assert [c.cpu_kernel is not None for c in api._calls.values()] == [True]
@@ -512,7 +522,7 @@ def test_the_decode_path_matches_the_fp64_reference_with_the_lse_and_its_gradien
     monkeypatch.setenv(host.MODE_ENV, "on")
     causal, dtype = case[6], case[7]
     leaves = _cpu_leaves(case, seed=1)
-    assert host.extension().own_decode_serves(*leaves)
+    assert host.extension().own_decode_serves(*leaves, causal)
     api.clear_calls()
     out, lse = flashtile.attention(*leaves, causal=causal, return_lse=True)
     assert [c.cpu_kernel is not None for c in api._calls.values()] == [True], "not the C++ kernel call"
@@ -556,7 +566,7 @@ def test_the_decode_path_reads_k_and_v_in_place_at_any_strides(monkeypatch, case
     results = []
     for kv in ((k, v), heads_first, in_cache, (heads_first[0], in_cache[1])):
         operands = [t.detach().requires_grad_() for t in (q, *kv)]
-        assert module.own_decode_serves(*operands)
+        assert module.own_decode_serves(*operands, causal)
         out = flashtile.attention(*operands, causal=causal)
         results.append((out.detach(), *torch.autograd.grad(out, operands, dout)))
     for other in results[1:]:
@@ -582,7 +592,7 @@ def test_gradcheck_through_the_decode_path_in_fp64(monkeypatch, seqlen_k):
     q = torch.randn(1, 3, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, seqlen_k, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, seqlen_k, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    assert host.extension().own_decode_serves(q, k, v)
+    assert host.extension().own_decode_serves(q, k, v, True)
     api.clear_calls()
     assert torch.autograd.gradcheck(lambda q, k, v: flashtile.attention(q, k, v, causal=True), (q, k, v))
     assert [c.cpu_kernel is not None for c in api._calls.values()] == [True]
@@ -596,7 +606,7 @@ module = host.extension()
 q = torch.randn(1, 4, 8, 16)
 k, v = torch.randn(1, 2048, 8, 16), torch.randn(1, 2048, 8, 16)
 dout = torch.randn_like(q)
-assert module.own_decode_serves(q, k, v)
+assert module.own_decode_serves(q, k, v, False)
 out, lse = module.own_forward(q, k, v, 0.25, False)
 module.own_backward(dout, q, k, v, out, lse, None, 0.25, False)
 calls, before = 10, resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -650,7 +660,7 @@ def _check_poisoned_decode_case(module, rng, shape, causal, dtype):
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     q = torch.randn(batch, seqlen_q, heads_kv * group, head_dim, generator=g).to(dtype)
     k, v = (torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=g).to(dtype) for _ in range(2))
-    assert module.own_decode_serves(q, k, v)
+    assert module.own_decode_serves(q, k, v, causal)
     for _ in range(rng.choice([1, 2])):
         _poison(rng, rng.choice([q, k, v]))
     _assert_cpp_matches_python(q, k, v, causal, g)

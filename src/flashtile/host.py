@@ -291,7 +291,7 @@ def cpu_kernel_of(problem) -> CpuKernel | None:
     if module is None:
         return None
     # torch's kernel's causal mask is top-left aligned: it serves square problems only
-    if right == 0 and q.shape[1] != k.shape[1] and not module.own_kernel_serves(q, k, v):
+    if right == 0 and q.shape[1] != k.shape[1] and not module.own_kernel_serves(q, k, v, True):
         return None
     scale, causal = problem.scale, right == 0
     return CpuKernel(lambda q, k, v: module.cpu_forward(q, k, v, scale, causal),

@@ -2143,12 +2143,15 @@ FT_KERNEL_OPTIONS void decode_backward_typed(const at::Tensor& dout_, const at::
 
 // Problems the own kernel takes (own_operands): head_dim_v == head_dim (the caller's cpu_kernel.serves checked it,
 // with no softcap, ALiBi or window), the four float types, GQA. Its small-problem path takes them where it
-// measured faster than torch's kernel (notes.md, "CPU small shapes (session sixteen)"): at most kOwnWork
-// multiply-adds per (batch, query head) and kOwnSeqlen keys; at least kOwnMinQueries queries, over which each
-// head's copy of its keys and values is spread; and at most kOwnKeyValues elements of K (batch x seqlen_k x
-// heads_kv x head_dim), past which those copies stream from memory (b8 h32 q16 k128 d128 ran at 0.73x torch's
-// kernel).
+// measured faster than torch's kernel (notes.md, "CPU small shapes (session sixteen)" and "The own kernel's
+// wider limit (session twenty-four)"): at most kOwnWork multiply-adds per (batch, query head), or kOwnWideWork
+// where the mask is causal (the own kernel skips the masked blocks; torch's kernel measured as slow causal as
+// not) or a GQA group shares each kv head's copy of K and V; at most kOwnSeqlen keys; at least kOwnMinQueries
+// queries, over which each head's copy of its keys and values is spread; and at most kOwnKeyValues elements of K
+// (batch x seqlen_k x heads_kv x head_dim), past which those copies stream from memory (b8 h32 q16 k128 d128 ran
+// at 0.73x torch's kernel).
 constexpr int64_t kOwnWork = int64_t{1} << 20;
+constexpr int64_t kOwnWideWork = int64_t{1} << 22;
 constexpr int64_t kOwnSeqlen = 256;
 constexpr int64_t kOwnMinQueries = 4;
 constexpr int64_t kOwnKeyValues = int64_t{1} << 20;
@@ -2168,19 +2171,20 @@ bool own_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
   return q.size(3) == v.size(3) && q.size(3) == k.size(3) && k.size(2) > 0 && q.size(2) % k.size(2) == 0;
 }
 
-bool own_small_serves(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  return own_operands(q, k, v) && k.size(1) <= kOwnSeqlen && q.size(1) >= kOwnMinQueries &&
-         q.size(1) * k.size(1) * q.size(3) <= kOwnWork &&
+bool own_small_serves(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+  if (!own_operands(q, k, v)) return false;
+  const int64_t work_limit = causal || q.size(2) > k.size(2) ? kOwnWideWork : kOwnWork;
+  return k.size(1) <= kOwnSeqlen && q.size(1) >= kOwnMinQueries && q.size(1) * k.size(1) * q.size(3) <= work_limit &&
          k.size(0) * k.size(1) * k.size(2) * k.size(3) <= kOwnKeyValues;
 }
 
-bool own_decode_serves(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  return own_operands(q, k, v) && !own_small_serves(q, k, v) && q.size(1) <= kDecodeQueries &&
+bool own_decode_serves(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+  return own_operands(q, k, v) && !own_small_serves(q, k, v, causal) && q.size(1) <= kDecodeQueries &&
          q.size(2) / k.size(2) * q.size(1) <= kDecodeRows;
 }
 
-bool own_kernel_serves(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  return own_small_serves(q, k, v) || own_decode_serves(q, k, v);
+bool own_kernel_serves(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+  return own_small_serves(q, k, v, causal) || own_decode_serves(q, k, v, causal);
 }
 
 #define FT_OWN_DISPATCH(type, call)                                                    \
@@ -2198,7 +2202,7 @@ std::tuple<at::Tensor, at::Tensor> own_forward(const at::Tensor& q, const at::Te
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
   poison({&out, &lse});
-  const bool small = own_small_serves(q, k, v);
+  const bool small = own_small_serves(q, k, v, causal);
 #define FT_OWN_FORWARD(In, Acc)                                        \
   if (small) {                                                         \
     own_forward_typed<In, Acc>(q, k, v, scale, causal, out, lse);      \
@@ -2225,7 +2229,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> own_backward(const at::Tensor& do
   const at::Tensor lse_accum = lse.scalar_type() == at::kDouble ? lse : lse.to(at::kFloat);
   const at::Tensor dlse_accum =
       !dlse.defined() || dlse.scalar_type() == at::kDouble ? dlse : dlse.to(at::kFloat);
-  const bool small = own_small_serves(q, k, v);
+  const bool small = own_small_serves(q, k, v, causal);
 #define FT_OWN_BACKWARD(In, Acc)                                                                          \
   if (small) {                                                                                            \
     own_backward_typed<In, Acc>(dout, q, k, v, out, lse_accum, dlse_accum, scale, causal, dq, dk, dv);    \
@@ -2245,7 +2249,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> own_backward(const at::Tensor& do
 // in q), and the Python path applies the rules. So the inputs are checked, not the outputs.
 std::optional<std::tuple<at::Tensor, at::Tensor>> kernel_forward(const at::Tensor& q, const at::Tensor& k,
                                                                  const at::Tensor& v, double scale, bool causal) {
-  if (own_kernel_serves(q, k, v)) return own_forward(q, k, v, scale, causal);
+  if (own_kernel_serves(q, k, v, causal)) return own_forward(q, k, v, scale, causal);
   require(!causal || q.size(1) == k.size(1), "flashtile: torch's CPU kernel masks square problems only");
   if (!all_finite(q, k, v)) return std::nullopt;
   // Below autograd's dispatch: nothing here is recorded (the callers switch gradients off), and a view or a
@@ -2270,7 +2274,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(at::Tensor dout, const at::Tensor& q, const at::Tensor& k,
                                                                const at::Tensor& v, const at::Tensor& out,
                                                                const at::Tensor& lse, double scale, bool causal) {
-  if (own_kernel_serves(q, k, v)) return own_backward(dout, q, k, v, out, lse, at::Tensor(), scale, causal);
+  if (own_kernel_serves(q, k, v, causal)) return own_backward(dout, q, k, v, out, lse, at::Tensor(), scale, causal);
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in cpu_forward
   if (dout.stride(-1) != 1) dout = dout.contiguous();
   const at::Tensor lse_accum = lse.to(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
@@ -2286,7 +2290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(at::Tensor dout, 
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> cpu_backward(
     at::Tensor dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, std::optional<at::Tensor> dlse, double scale, bool causal) {
-  if (own_kernel_serves(q, k, v)) {
+  if (own_kernel_serves(q, k, v, causal)) {
     return own_backward(dout, q, k, v, out, lse, dlse ? *dlse : at::Tensor(), scale, causal);
   }
   if (dlse || !all_finite(q, k, v)) return std::nullopt;
