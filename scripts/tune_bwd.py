@@ -29,23 +29,22 @@ GRID_CANDIDATES = {  # head_dim -> [(block_m, block_n, warps, stages, keys_sdp, 
     192: [(64, 64, 8, 2, 4, 2, 4)],
     256: [(64, 64, 8, 2, 4, 2, 2)],
 }
-WGMMA_CANDIDATES = {  # head_dim -> [(block_m, block_n, stages)] for wgmma/bwd.cu
-    64: [(128, 128, 2)],
-    128: [(64, 128, 2)],
-    192: [],
-    256: [(64, 64, 2)],
-}
-ORIGINAL = specs.bwd_grid_tile, specs.bwd_tile, specs.bwd_wgmma_tile
+# head_dim -> wgmma/bwd.cu's tiles: the table's own and its measured alternatives
+WGMMA_CANDIDATES = {d: [tile, *specs.BWD_WGMMA_ALTERNATIVES.get(d, ())] for d, tile in specs.BWD_WGMMA_TILES.items()}
+ORIGINAL = specs.bwd_grid_tile, specs.bwd_tile, dict(specs.BWD_WGMMA_TILES)
 
 
-def _use(tile=None, grid_tile=None, wgmma_tile=None):
-    """Make the registry pick exactly this tile of one kernel (no arguments: the library's own choice)."""
+def _use(d, tile=None, grid_tile=None, wgmma_tile=None):
+    """Make the registry pick exactly this tile of one kernel for head dim d (no tiles: the library's own choice).
+    The Hopper kernel's tile goes into its table, so that its deterministic build is derived as the library's is."""
+    specs.BWD_WGMMA_TILES.clear()
+    specs.BWD_WGMMA_TILES.update(ORIGINAL[2])
     if not (tile or grid_tile or wgmma_tile):
-        specs.bwd_grid_tile, specs.bwd_tile, specs.bwd_wgmma_tile = ORIGINAL
+        specs.bwd_grid_tile, specs.bwd_tile = ORIGINAL[:2]
     else:
         specs.bwd_grid_tile = lambda head_dim, arch, score_mods=False: grid_tile
         specs.bwd_tile = (lambda head_dim, arch, score_mods=False: tile) if tile else ORIGINAL[1]
-        specs.bwd_wgmma_tile = lambda d, dv, arch, score_mods=False: wgmma_tile
+        specs.BWD_WGMMA_TILES[d] = wgmma_tile
     registry.choose.cache_clear()
     api.clear_calls()
 
@@ -66,9 +65,10 @@ def main(dims):
                     *(x.transpose(1, 2) for x in leaves), is_causal=causal).transpose(1, 2), leaves, dout)
             cases = [("bwd", c, specs.BwdTile(*c[:3], d > 128, "candidate"), None, None) for c in CANDIDATES[d]]
             cases += [("grid", c, None, specs.BwdGridTile(*c, "candidate"), None) for c in GRID_CANDIDATES[d]]
-            cases += [("wgmma", c, None, None, specs.BwdWgmmaTile(*c, "candidate")) for c in WGMMA_CANDIDATES[d]]
+            cases += [("wgmma", (c.block_m, c.block_n, c.stages, f"dq_one_group={c.dq_one_group}",
+                                 f"dq_buffers={c.dq_buffers}"), None, None, c) for c in WGMMA_CANDIDATES.get(d, ())]
             for kernel, cand, tile, grid_tile, wgmma_tile in cases:
-                _use(tile, grid_tile, wgmma_tile)
+                _use(d, tile, grid_tile, wgmma_tile)
                 _, spec = registry.choose(Variant("bwd", torch.bfloat16, d, d, frozenset(), "sm_90a"))
                 if spec.smem_bytes > specs.smem_limit("sm_90a"):
                     continue
@@ -84,7 +84,7 @@ def main(dims):
                 row.append(f"{kernel}{cand}[{res.registers}r{'/spill' if res.spill_stores else ''}]="
                            f"{flops / times[False] / 1e9:.0f} det {times[True] / times[False]:.2f}x err={error:.0e}")
             print("  ".join(row), flush=True)
-    _use()
+    _use(0)
 
 
 if __name__ == "__main__":

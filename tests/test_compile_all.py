@@ -4,7 +4,10 @@ import pytest
 
 from flashtile import jit, registry, specs
 
-CASES = [spec for arch in specs.TEST_ARCHS for spec in registry.all_specs(arch)]
+# The Hopper backward's alternative builds (specs.BWD_WGMMA_ALTERNATIVES) stay buildable beside the tables' own.
+ALTERNATIVES = [specs.bwd_wgmma_spec(dtype, d, tile) for d, tiles in specs.BWD_WGMMA_ALTERNATIVES.items()
+                for tile in tiles for dtype in ("bf16", "f16")]
+CASES = [spec for arch in specs.TEST_ARCHS for spec in registry.all_specs(arch)] + ALTERNATIVES
 
 
 @pytest.mark.parametrize("spec", CASES, ids=[s.name for s in CASES])
@@ -19,7 +22,7 @@ def test_spec_compiles_without_spills(spec, cache_dir):
 # The tile tables' three sizes of GPU, 227 KB (Hopper), 99 KB (consumer Ampere and newer) and 64 KB (Turing), and
 # Blackwell's own rows (sm_100 has them all).
 SMEM_CASES = [spec for arch in ("sm_90a", "sm_86", "sm_75", "sm_100") for spec in registry.all_specs(arch)
-              if spec.smem_bytes]
+              if spec.smem_bytes] + ALTERNATIVES
 
 
 @pytest.fixture(scope="module")

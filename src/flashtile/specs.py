@@ -594,6 +594,8 @@ class BwdWgmmaTile:
     dq_writer: bool = False  # dQ staged in shared memory and added by the producer warpgroup's second warp
     scores_ahead: bool = False  # a step's S^T issued by the step before, behind its dQ product (keys split)
     turn_keeper: bool = False  # deterministic mode: the producer warpgroup's second warp keeps dQ's turns
+    dq_one_group: int = 0  # with the writer: dQ by one warpgroup a step (1: always the first, 2: by turns)
+    dq_buffers: int = 1  # with the writer: staged dQ tiles (2: the next is staged while the writer adds the last)
 
 
 BWD_WGMMA_TILES = {
@@ -607,10 +609,20 @@ BWD_WGMMA_TILES = {
                                  "through shared memory; 226 KB. Faster than sdpa-flash and bwd_grid.cu; S^T/dP^T "
                                  "split by queries instead is slower (both warpgroups read all of K and V)"),
 }
+# Builds of BWD_WGMMA_TILES' rows measured beside them and not taken yet (docs/notes.md, session twenty-five): CI
+# compiles them, scripts/tune_bwd.py times them. dQ by one warpgroup at a time with two staged tiles measured faster
+# at d128 and passed the backward GPU tests, but neither the sanitizers nor the matrix have run on it yet; its
+# staged tiles' stores conflict 4 ways (padded rows do not fit twice), which a tensor-map reduction would remove.
+BWD_WGMMA_ALTERNATIVES = {
+    128: (replace(BWD_WGMMA_TILES[128], dq_one_group=2, dq_buffers=2,
+                  why="dQ by the two warpgroups in turns, two staged tiles (unpadded rows)"),
+          replace(BWD_WGMMA_TILES[128], dq_one_group=1,
+                  why="dQ by the first warpgroup alone (level with the table's build)")),
+}
 # dS^T (and P^T) in two buffers that alternate by step: with no block barrier between steps, one warpgroup may
 # write the next step's while the other still reads this step's.
 BWD_SCORE_BUFFERS = 2
-BWD_DQ_STAGE_PAD = 4  # floats after each staged dQ row (wgmma/bwd.cu kDqStageStride)
+BWD_DQ_STAGE_PAD = 4  # floats after each staged dQ row where the writer has one buffer (wgmma/bwd.cu kDqStageStride)
 # With the dQ writer the producer warpgroup also issues dQ's reductions: at 24 registers it spilled; at 32 the
 # consumers keep 232, which the d128 build fits. Without it the producer keeps PRODUCER_REGISTERS.
 DQ_WRITER_PRODUCER_REGISTERS = 32
@@ -628,7 +640,8 @@ def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
     tile = BWD_WGMMA_TILES.get(d)
     if tile is None or not deterministic:
         return tile
-    return replace(tile, dq_writer=False, scores_ahead=tile.dq_writer, turn_keeper=tile.block_n == 2 * WGMMA_M)
+    return replace(tile, dq_writer=False, dq_one_group=0, dq_buffers=1, scores_ahead=tile.dq_writer,
+                   turn_keeper=tile.block_n == 2 * WGMMA_M)
 
 
 def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
@@ -636,7 +649,8 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
     split_columns = n == WGMMA_M  # one key block for both warpgroups: P^T goes through shared memory as well
     score_tiles = BWD_SCORE_BUFFERS * (1 + split_columns) * n * m  # dS^T (and P^T), two steps' worth
     producer = DQ_WRITER_PRODUCER_REGISTERS if tile.dq_writer else PRODUCER_REGISTERS
-    dq_stage = m * (d + BWD_DQ_STAGE_PAD) * 4 if tile.dq_writer else 0  # fp32 rows, each padded by 16 bytes
+    stage_row = d + (BWD_DQ_STAGE_PAD if tile.dq_buffers == 1 else 0)  # fp32
+    dq_stage = tile.dq_buffers * m * stage_row * 4 if tile.dq_writer else 0
     storage = ((2 * n * d + 2 * stages * m * d + score_tiles) * ELEM_BYTES + 2 * stages * m * 4 + dq_stage
                + (1 + 2 * stages) * MBARRIER_BYTES)
     smem = -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
@@ -644,6 +658,7 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0),
                ("FT_WIDE_BLOCKS", 1), ("FT_DQ_WRITER", int(tile.dq_writer)),
                ("FT_SCORES_AHEAD", int(tile.scores_ahead)), ("FT_TURN_KEEPER", int(tile.turn_keeper)),
+               ("FT_DQ_ONE_GROUP", tile.dq_one_group), ("FT_DQ_BUFFERS", tile.dq_buffers),
                ("FT_PRODUCER_REGISTERS", producer),
                ("FT_CONSUMER_REGISTERS", consumer_registers(tile.warps // WARPGROUP_WARPS - 1, producer)),
                *ROW_DEFINES)

@@ -68,14 +68,31 @@ constexpr bool kScoresAhead = FT_SCORES_AHEAD;
 constexpr bool kTurnKeeper = FT_TURN_KEEPER;
 static_assert(!(kDqWriter && kTurnKeeper), "the writer warp keeps its own turns");
 constexpr int kWriterWarp = 1;      // the writer, or the turn keeper
-constexpr int kDqFullBarrier = 2;   // the consumers' pieces are staged (consumers arrive, the writer waits)
-constexpr int kDqEmptyBarrier = 3;  // the writer has read the staged tile (the writer arrives, consumers wait)
+#ifndef FT_DQ_BUFFERS
+#define FT_DQ_BUFFERS 1
+#endif
+// The writer's staged dQ tile, in kDqBuffers buffers: with two, a step's dQ is staged while the writer still adds
+// the last one's. One buffer's rows are padded by 16 bytes, so that the 8 rows of a fragment's float2 stores start
+// 4 banks apart (every row stays 16-byte aligned for its bulk reduction); two padded buffers do not fit beside the
+// d128 tiles, so two have unpadded rows, and those stores conflict 4 ways.
+constexpr int kDqBuffers = FT_DQ_BUFFERS;
+constexpr int kDqStageStride = kHeadDim + (kDqBuffers == 1 ? 4 : 0);
+constexpr int kDqFullBarrier = 2;  // + buffer: the pieces are staged (consumers arrive, the writer waits)
+constexpr int kDqEmptyBarrier = kDqFullBarrier + kDqBuffers;  // + buffer: the writer has read the staged tile
 constexpr int kTurnTakenBarrier = 2;  // the keeper has the tile's turn (the keeper arrives, consumers wait)
 constexpr int kAddsIssuedBarrier = 3; // the consumers have issued their atomics (consumers arrive, the keeper waits)
-constexpr int kDqHandoffThreads = kConsumerThreads + kWarpSize;
-// A staged row: the head dim plus 16 bytes, so that the 8 rows of a fragment's float2 stores start 4 banks apart
-// and every row stays 16-byte aligned for its bulk reduction.
-constexpr int kDqStageStride = kHeadDim + 4;
+#ifndef FT_DQ_ONE_GROUP
+#define FT_DQ_ONE_GROUP 0
+#endif
+// dQ of a step by one consumer warpgroup alone (with the writer, keys split, dQ split by columns): dQ = dS K over
+// the whole head dim, so dS^T and K are read once a step instead of once per warpgroup, and the other warpgroup
+// goes on to its next step instead of meeting the first. kDqFixedGroup: always warpgroup 0; kDqGroupsTakeTurns:
+// the warpgroup step % 2, so that each computes every other step's dQ (from the dS^T buffer of its own index).
+constexpr int kDqFixedGroup = 1, kDqGroupsTakeTurns = 2;
+constexpr int kDqOneGroup = FT_DQ_ONE_GROUP;
+static_assert(kDqOneGroup == 0 || kDqOneGroup == kDqFixedGroup || kDqOneGroup == kDqGroupsTakeTurns, "0, 1 or 2");
+// The dQ handoff between the writer and the warpgroups that stage dQ.
+constexpr int kDqHandoffThreads = (kDqOneGroup ? kWarpgroupThreads : kConsumerThreads) + kWarpSize;
 // setmaxnreg: the producer keeps what issuing copies needs, the consumers take the rest of the register file
 // (specs.py, consumer_registers).
 constexpr int kProducerRegisters = FT_PRODUCER_REGISTERS;
@@ -93,7 +110,9 @@ static_assert(!kSoftcap && !kAlibi, "score modifications run in mma/bwd.cu");
 // dK/dV its 64 keys x kGradCols columns; dQ 64 rows x kDqCols.
 constexpr int kGradCols = kSplitKeys ? kHeadDim : kHeadDim / kWarpgroups;
 constexpr bool kDqByRows = kBlockM == kWarpgroups * kWgmmaM;
-constexpr int kDqCols = kDqByRows ? kHeadDim : kHeadDim / kWarpgroups;
+constexpr int kDqCols = kDqByRows || kDqOneGroup ? kHeadDim : kHeadDim / kWarpgroups;
+static_assert(!kDqOneGroup || (kSplitKeys && kDqWriter && !kDqByRows && !kScoresAhead),
+              "dQ by one warpgroup: keys split, the writer stages, a step's 64 queries in one piece");
 static_assert(kGradCols == 64 || kGradCols == 128, "products exist for N = 64, 128");
 static_assert(kDqCols == 64 || kDqCols == 128, "products exist for N = 64, 128");
 static_assert(kDqByRows || kBlockM == kWgmmaM, "dQ pieces of 64 rows");
@@ -113,12 +132,16 @@ constexpr u32 kColumnBlockBytes = Tile::kBlockElems * kElemBytes;  // a descript
 // dS^T alternate between two buffers from step to step: a warpgroup may write the next step's while the other
 // still reads this step's, and the step's one consumer barrier (before dQ) keeps them two steps apart.
 constexpr int kScoreBuffers = 2;
+// dQ by one warpgroup: the handoff of each dS^T buffer between the warpgroups.
+constexpr int kDsFullBarrier = kDqEmptyBarrier + kDqBuffers;      // + buffer: the other warpgroup's rows are stored
+constexpr int kDsEmptyBarrier = kDsFullBarrier + kScoreBuffers;   // + buffer: dQ's product has read the buffer
+static_assert(kDsEmptyBarrier + kScoreBuffers <= 16, "a block has 16 named barriers");
 template <bool kShared> struct ProbabilityTile { elem_t p[kScoreBuffers][DsTile::kElems]; };
 template <> struct ProbabilityTile<false> { static constexpr elem_t (*p)[DsTile::kElems] = nullptr; };
 
 // The staged dQ tile, only with the writer warp (the empty base takes no space).
-template <bool kStaged> struct DqStage { float dq_stage[kBlockM * kDqStageStride]; };
-template <> struct DqStage<false> { static constexpr float* dq_stage = nullptr; };
+template <bool kStaged> struct DqStage { float dq_stage[kDqBuffers][kBlockM * kDqStageStride]; };
+template <> struct DqStage<false> { static constexpr float (*dq_stage)[kBlockM * kDqStageStride] = nullptr; };
 
 struct __align__(kSwizzleAtomBytes) SharedStorage : ProbabilityTile<!kSplitKeys>, DqStage<kDqWriter> {
     elem_t k[KTile::kElems];     // later the dK tile
@@ -238,24 +261,27 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, const Problem& pr0, int b, int h_first,
                                       int n_block, int steps, int m_tiles, int m_hi, u32 stage, int lane) {
     constexpr u32 kRowBytes = kHeadDim * sizeof(float), kStageRowBytes = kDqStageStride * sizeof(float);
-    if (steps > 0) named_barrier_arrive(kDqEmptyBarrier, kDqHandoffThreads);  // the buffer starts free
+    constexpr u32 kBufferBytes = kBlockM * kStageRowBytes;
+    for (int buffer = 0; buffer < min(steps, kDqBuffers); ++buffer)  // the buffers start free
+        named_barrier_arrive(kDqEmptyBarrier + buffer, kDqHandoffThreads);
 #pragma unroll 1
     for (int step = 0; step < steps; ++step) {
+        const int buffer = step % kDqBuffers;
         const int head = h_first + step / m_tiles, m_tile = m_hi - 1 - step % m_tiles, m0 = m_tile * kBlockM;
         const DqTurn turn(p, mask, b, head, m_tile, m0, n_block, lane == 0);
         if (turn.turn != nullptr) {  // the other lanes wait for lane 0's turn, the adds come after its acquire
             __syncwarp();
             fence_proxy_async_global();
         }
-        named_barrier_sync(kDqFullBarrier, kDqHandoffThreads);
+        named_barrier_sync(kDqFullBarrier + buffer, kDqHandoffThreads);
         float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * p.fwd.lse_head_stride + m0) * kHeadDim;
         const int rows = min(kBlockM, pr0.seqlen_q - m0);
 #pragma unroll 1
         for (int r = lane; r < rows; r += kWarpSize)
-            bulk_reduce_add(accum + r * kHeadDim, stage + r * kStageRowBytes, kRowBytes);
+            bulk_reduce_add(accum + r * kHeadDim, stage + buffer * kBufferBytes + r * kStageRowBytes, kRowBytes);
         bulk_commit();
         bulk_wait_all<true>();
-        if (step + 1 < steps) named_barrier_arrive(kDqEmptyBarrier, kDqHandoffThreads);
+        if (step + kDqBuffers < steps) named_barrier_arrive(kDqEmptyBarrier + buffer, kDqHandoffThreads);
         if (turn.turn != nullptr) {
             bulk_wait_all<false>();
             fence_proxy_async_global();
@@ -333,7 +359,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         // the warp's lanes (rows past the sequence read as zeros), into the ring as soon as a stage is free.
         setmaxnreg_dec<kProducerRegisters>();
         if (kDqWriter && warp == kWriterWarp) {
-            write_dq(p, mask, pr0, b, h_first, n_block, steps, m_tiles, m_hi, smem_addr(smem.dq_stage), lane);
+            write_dq(p, mask, pr0, b, h_first, n_block, steps, m_tiles, m_hi, smem_addr(smem.dq_stage[0]), lane);
             return;
         }
         if (kTurnKeeper && warp == kWriterWarp) {
@@ -425,7 +451,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
     // This warpgroup's share, as tile offsets: its keys, the columns of its dK/dV, its rows and columns of dQ.
     const int key0 = kSplitKeys ? group * kWgmmaM : 0;
     const int grad_col0 = kSplitKeys ? 0 : group * kGradCols;
-    const int dq_row0 = kDqByRows ? group * kWgmmaM : 0, dq_col0 = kDqByRows ? 0 : group * kDqCols;
+    const int dq_row0 = kDqByRows ? group * kWgmmaM : 0, dq_col0 = kDqByRows || kDqOneGroup ? 0 : group * kDqCols;
     const int row_in_group = (warp % kWarpgroupWarps) * kMmaM + lane / kQuad;  // this lane's rows: +0 and +8
     const u32 k_rows = k_smem + key0 * kSwizzleRowBytes, v_rows = v_smem + key0 * kSwizzleRowBytes;
     const u32 ds_piece = ds_smem + (dq_row0 / kSwizzleRowElems) * kColumnBlockBytes<DsTile>;
@@ -451,6 +477,28 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
     auto release = [&](int stage) {
         __syncwarp();  // every lane's reads of the stage (LSE and D) before the warp's release
         if (lane == 0) mbarrier_arrive(empty + stage * kMbarrierBytes);
+    };
+
+    // The warpgroup that computes a step's dQ where one does (kDqOneGroup); its index is the step's dS^T buffer's
+    // under kDqGroupsTakeTurns.
+    auto dq_group_of = [](int step) { return kDqOneGroup == kDqGroupsTakeTurns ? step % kScoreBuffers : 0; };
+    // The writer's handoff: wait until the writer has read what it last added from the step's buffer (with two
+    // buffers while dQ's product runs, where it seldom waits; with one right before staging), then stage this
+    // warpgroup's piece and publish it to the writer's bulk reads.
+    auto wait_dq_buffer = [&](int step) { named_barrier_sync(kDqEmptyBarrier + step % kDqBuffers, kDqHandoffThreads); };
+    auto stage_dq = [&](const float (&dq)[kDqAccumulators], int step) {
+        const int t = lane % kQuad, buffer = step % kDqBuffers;
+        if constexpr (kDqBuffers == 1) wait_dq_buffer(step);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float* const row = smem.dq_stage[buffer] + (dq_row0 + row_in_group + 8 * half) * kDqStageStride + dq_col0;
+#pragma unroll
+            for (int j = 0; j < kDqCols / kMmaN; ++j)
+                *reinterpret_cast<float2*>(row + j * kMmaN + 2 * t) =
+                    make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+        }
+        fence_proxy_async();
+        named_barrier_arrive(kDqFullBarrier + buffer, kDqHandoffThreads);
     };
 
     auto step_body = [&](int step, int stage, bool masked) {
@@ -527,11 +575,13 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
             add_keys_by_dim<DoTile>(dv, p16, do_cols);
             add_keys_by_dim<QTile>(dk, ds16, q_cols);
             wgmma_commit();
+            if (kDqOneGroup && group != dq_group_of(step))  // dQ's product two steps ago has read the buffer
+                named_barrier_sync(kDsEmptyBarrier + buffer, kConsumerThreads);
             store_fragments(ds_tile, ds16, key0 + row_in_group, 2 * t);
             wgmma_wait<0>();
             fence_operands(dv);
             fence_operands(dk);
-            if constexpr (kScoresAhead) release(stage);  // the stage's last reader is done
+            if constexpr (kScoresAhead || kDqOneGroup) release(stage);  // the stage's last reader is done
         } else {
             // Warpgroup 0 computes S^T = K Q^T and P^T, warpgroup 1 dP^T = V dO^T (the same product on the other
             // tiles, so no branch around it); P^T meets dP^T in shared memory and warpgroup 1 forms dS^T.
@@ -555,6 +605,30 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
             }
         }
         fence_proxy_async();
+        if constexpr (kDqOneGroup) {
+            // The other warpgroup hands its dS^T rows over and goes on; dQ's warpgroup computes dQ = dS K over
+            // all 128 keys and the whole head dim, hands the buffer back, and stages dQ for the writer.
+            const int buffer_group = dq_group_of(step);
+            if (group != buffer_group) {
+                named_barrier_arrive(kDsFullBarrier + buffer, kConsumerThreads);
+                return;
+            }
+            named_barrier_sync(kDsFullBarrier + buffer, kConsumerThreads);
+            float dq[kDqAccumulators];
+            fence_operands(dq);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / kWgmmaK; ++kk)
+                wgmma_ss<1, 1>(dq, mn_major(ds_buffer + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<DsTile>),
+                               mn_major(k_smem + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<KTile>), kk > 0);
+            wgmma_commit();
+            if constexpr (kDqBuffers > 1) wait_dq_buffer(step);
+            wgmma_wait<0>();
+            fence_operands(dq);
+            if (step + kScoreBuffers < steps) named_barrier_arrive(kDsEmptyBarrier + buffer, kConsumerThreads);
+            stage_dq(dq, step);
+            return;
+        }
         // Deterministic mode: wait for this dQ tile's turn (the writer warp waits instead, where there is one).
         // Split keys take it once dQ is in the registers, so that a turn is held for the adds alone; split columns
         // before the step's barrier (after it their dV and dK products are in flight, and the turn's registers
@@ -578,6 +652,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
             wgmma_ss<1, 1>(dq, mn_major(ds_buffer + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<DsTile>),
                            mn_major(k_cols + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<KTile>), kk > 0);
         wgmma_commit();
+        if constexpr (kDqWriter && kDqBuffers > 1) wait_dq_buffer(step);
         if constexpr (!kSplitKeys) {
             fence_operands(dv);
             fence_operands(dk);
@@ -605,18 +680,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         else if (kSplitKeys && !kDqWriter && turn.turn != nullptr) consumers_sync();  // the leader's acquire, for all
 
         if constexpr (kDqWriter) {
-            // Stage the piece once the writer has read the last tile, publish it to the writer's bulk reads.
-            named_barrier_sync(kDqEmptyBarrier, kDqHandoffThreads);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = dq_row0 + row_in_group + 8 * half;
-#pragma unroll
-                for (int j = 0; j < kDqCols / kMmaN; ++j)
-                    *reinterpret_cast<float2*>(smem.dq_stage + row * kDqStageStride + dq_col0 + j * kMmaN + 2 * t) =
-                        make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
-            }
-            fence_proxy_async();
-            named_barrier_arrive(kDqFullBarrier, kDqHandoffThreads);
+            stage_dq(dq, step);
         } else {
             float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
 #pragma unroll
@@ -650,11 +714,15 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         wgmma_wait<0>();
         fence_operands(s_ahead);
     }
+    if constexpr (kDqOneGroup) {  // each dS^T buffer starts free
+        for (int buffer = 0; buffer < min(steps, kScoreBuffers); ++buffer)
+            if (group == dq_group_of(buffer)) named_barrier_arrive(kDsEmptyBarrier + buffer, kConsumerThreads);
+    }
     for (int step = 0; step < steps; ++step) {
         const int stage = step % kStages, m0 = m_tile_of(step) * kBlockM;
         if (!kScoresAhead) mbarrier_wait(full + stage * kMbarrierBytes, (step / kStages) & 1);
         step_body(step, stage, !mask.tile_unmasked(m0, min(m0 + kBlockM, pr0.seqlen_q), n0, n0 + kBlockN));
-        if (!kScoresAhead) release(stage);
+        if (!kScoresAhead && !kDqOneGroup) release(stage);
     }
 
     // Every consumer is past its last product (which read K): K and V's tiles are free to stage dK and dV.
