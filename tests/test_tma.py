@@ -78,6 +78,30 @@ def test_hopper_backward_takes_k_v_q_then_do_maps(monkeypatch):
         assert [argument[i * tma.MAP_BYTES + 1] for i in range(4)] == [tile.block_n] * 2 + [tile.block_m] * 2
 
 
+def test_a_backward_that_adds_dq_boxes_takes_the_accumulators_template_fifth(monkeypatch):
+    """Where the Hopper backward's writer adds dQ boxes (BwdMapsDq), the accumulator's template follows dO's map:
+    fp32, (head dim, rows) with a stand-in address and row count, rows d * 4 bytes apart, boxes of the spec's dQ
+    box, no swizzle; one encoding serves every call of a head dim; the default build takes no template."""
+    driver = _FakeDriver()
+    driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32 = "f32"
+    driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE = 0
+    monkeypatch.setattr(tma, "_cuda", lambda: driver)
+    monkeypatch.setattr(tma.ctypes, "string_at", lambda address, size: bytes([7]) * size)
+    monkeypatch.setattr(tma, "_encode", lambda t, box: bytes([t.shape[-1] % 251, box.rows]) * (tma.MAP_BYTES // 2))
+    tma._kept.clear()
+    tile = next(t for t in specs.BWD_WGMMA_ALTERNATIVES[128] if t.dq_boxes)
+    spec = specs.bwd_wgmma_spec("bf16", 128, tile)
+    q, k, v, dout = (torch.zeros(1, 128, 2, 128, dtype=torch.bfloat16) for _ in range(4))
+    boxes = (spec.kv_maps, spec.q_map, spec.do_map, spec.dq_map)
+    first, second = (tma.backward_argument(q, k, v, dout, boxes) for _ in range(2))
+    assert len(first) == spec.maps_bytes == 5 * tma.MAP_BYTES and first == second
+    assert first[4 * tma.MAP_BYTES:] == bytes([7]) * tma.MAP_BYTES
+    assert len(driver.calls) == 1
+    rank, dims, strides, box = driver.calls[0]
+    assert (rank, dims, strides, box) == (2, [128, tma.TEMPLATE_ROWS], [128 * 4], [8, tile.block_m])
+    assert specs.bwd_wgmma_spec("bf16", 128, specs.bwd_wgmma_tile(128, 128, "sm_90a")).dq_map is None
+
+
 class _FakeDriver:
     """cuda.bindings.driver's few names tma._encode uses, recording what it is asked to encode."""
 

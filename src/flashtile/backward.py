@@ -20,6 +20,8 @@ from .family import Family, Serves, Variant
 from .forward import FwdProblem
 from .launch import Launch
 
+TENSOR_MAP_FLOATS = specs.TENSOR_MAP_BYTES // 4  # a block's slot for its copy of a map, in the fp32 scratch
+
 WARP = 32
 DTYPES = (torch.float16, torch.bfloat16)
 MIN_CAPABILITY = (8, 0)  # mma.sync and cp.async
@@ -86,13 +88,16 @@ def plan(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, ls
     rows = Launch(kernels["attn_bwd_preprocess"], row_grid, row_warps * WARP, 0)
     main = tuple(Launch(kernels[entry], key_grid, warps * WARP, spec.smem_bytes) for entry in spec.entries[1:-1])
     convert = Launch(kernels["attn_bwd_dq_convert"], row_grid, row_warps * WARP, 0)
+    # Where the writer adds dQ boxes, each block completes its copy of the accumulator's map in a slot after it.
+    map_slots = math.prod(key_grid) * TENSOR_MAP_FLOATS if spec.dq_map is not None else 0
+    boxes = None if spec.do_map is None else (spec.kv_maps, spec.q_map, spec.do_map) + (
+        () if spec.dq_map is None else (spec.dq_map,))
     return plans.BwdPlan(
         (rows, *main, convert), problem.params(out, lse)[plans.ADDRESS_FIELDS:],
         (*_strides(dout, varlen), *_strides(dq, varlen), *_strides(dk, varlen), *_strides(dv, varlen), m_blocks),
-        dout.stride(), lse.numel(), lse.numel() * defines["FT_HEAD_DIM"],
+        dout.stride(), lse.numel(), lse.numel() * defines["FT_HEAD_DIM"] + map_slots,
         problem.batch * problem.heads_q * m_blocks if deterministic else 0,
-        plans.HeadGroups(groups, q_heads, kv_heads, lse_head_dim),
-        None if spec.do_map is None else (spec.kv_maps, spec.q_map, spec.do_map))
+        plans.HeadGroups(groups, q_heads, kv_heads, lse_head_dim), boxes)
 
 
 def _first_heads(problem: FwdProblem, out, lse, dout, grads, q_heads: int, kv_heads: int, lse_head_dim: int):

@@ -140,7 +140,7 @@ def load(spec: KernelSpec, device: int) -> LoadedModule:
     return loaded
 
 
-EXTRA_BYTES = 512   # the largest second argument: the Hopper backward's BwdMaps (four 128-byte tensor maps)
+EXTRA_BYTES = 640   # the largest second argument: the Hopper backward's BwdMapsDq (five 128-byte tensor maps)
 EXTRA_ALIGN = 64    # a tensor map's alignment
 
 

@@ -109,10 +109,10 @@ class BwdPlan:
     bwd_tail: tuple                      # BwdParams after its own addresses: dO, dQ, dK, dV strides, m_blocks
     dout_stride: tuple[int, ...]         # dO must be laid out like the forward's output
     lse_floats: int                      # D and the base-2 LSE: one float per query row of a head group each
-    accum_floats: int                    # the fp32 dQ accumulator of a head group
+    accum_floats: int                    # the fp32 dQ accumulator of a head group (and its blocks' map slots)
     semaphore_ints: int                  # deterministic mode's turn counters of a head group; 0 when off
     groups: HeadGroups
-    boxes: tuple[KvBox, KvBox, KvBox] | None = None  # the maps' boxes (K/V, Q, dO) where the kernel takes maps
+    boxes: tuple[KvBox, ...] | None = None  # the maps' boxes (K/V, Q, dO[, dQ]) where the kernel takes maps
     # The tensor maps by the addresses they describe (Q's, K's, V's, dO's): the plan fixes the rest.
     maps: dict[tuple[int, ...], bytes] = field(default_factory=dict, compare=False)
 

@@ -47,13 +47,15 @@ class KernelSpec:
     q_map: KvBox | None = None           # Q's map after them (rung 5's producer loads Q); None: none
     do_map: KvBox | None = None          # dO's map after Q's (the Hopper backward's producer); None: none
     o_map: KvBox | None = None           # O's map after Q's (rung 5's consumers store O through it); None: none
+    dq_map: KvBox | None = None          # the fp32 dQ accumulator's template after dO's (its writer adds boxes)
 
     @property
     def maps_bytes(self) -> int:
         """Bytes of the second argument (0: the kernels take one)."""
         if self.kv_maps is None:
             return 0
-        return TENSOR_MAP_BYTES * (2 + sum(box is not None for box in (self.q_map, self.do_map, self.o_map)))
+        return TENSOR_MAP_BYTES * (2 + sum(box is not None for box in (self.q_map, self.do_map, self.o_map,
+                                                                     self.dq_map)))
 
     @property
     def name(self) -> str:
@@ -596,6 +598,7 @@ class BwdWgmmaTile:
     turn_keeper: bool = False  # deterministic mode: the producer warpgroup's second warp keeps dQ's turns
     dq_one_group: int = 0  # with the writer: dQ by one warpgroup a step (1: always the first, 2: by turns)
     dq_buffers: int = 1  # with the writer: staged dQ tiles (2: the next is staged while the writer adds the last)
+    dq_boxes: bool = False  # with the writer: dQ staged as boxes of 8 columns, added by tensor-map reductions
 
 
 BWD_WGMMA_TILES = {
@@ -609,19 +612,24 @@ BWD_WGMMA_TILES = {
                                  "through shared memory; 226 KB. Faster than sdpa-flash and bwd_grid.cu; S^T/dP^T "
                                  "split by queries instead is slower (both warpgroups read all of K and V)"),
 }
-# Builds of BWD_WGMMA_TILES' rows measured beside them and not taken yet (docs/notes.md, session twenty-five): CI
-# compiles them, scripts/tune_bwd.py times them. dQ by one warpgroup at a time with two staged tiles measured faster
-# at d128 and passed the backward GPU tests, but neither the sanitizers nor the matrix have run on it yet; its
-# staged tiles' stores conflict 4 ways (padded rows do not fit twice), which a tensor-map reduction would remove.
+# Builds of BWD_WGMMA_TILES' rows measured beside them, or written to be, and not taken yet (docs/notes.md, session
+# twenty-five; each reason says which): CI compiles them, scripts/tune_bwd.py times them. dQ by one warpgroup at a
+# time with two staged tiles measured faster at d128 and passed the backward GPU tests, but neither the sanitizers
+# nor the matrix have run on it yet; its staged tiles' stores conflict 4 ways (padded rows do not fit twice), which
+# the third, dQ staged as boxes and added through a tensor map, removes.
 BWD_WGMMA_ALTERNATIVES = {
     128: (replace(BWD_WGMMA_TILES[128], dq_one_group=2, dq_buffers=2,
                   why="dQ by the two warpgroups in turns, two staged tiles (unpadded rows)"),
           replace(BWD_WGMMA_TILES[128], dq_one_group=1,
-                  why="dQ by the first warpgroup alone (level with the table's build)")),
+                  why="dQ by the first warpgroup alone (level with the table's build)"),
+          replace(BWD_WGMMA_TILES[128], dq_one_group=2, dq_buffers=2, dq_boxes=True,
+                  why="the first, its dQ staged as boxes and added by tensor-map reductions: written and compiled, "
+                      "not yet run on a GPU")),
 }
 # dS^T (and P^T) in two buffers that alternate by step: with no block barrier between steps, one warpgroup may
 # write the next step's while the other still reads this step's.
 BWD_SCORE_BUFFERS = 2
+DQ_BOX_COLS = 8  # fp32 columns of a dQ box where the writer adds boxes (wgmma/bwd.cu kDqBoxCols)
 BWD_DQ_STAGE_PAD = 4  # floats after each staged dQ row where the writer has one buffer (wgmma/bwd.cu kDqStageStride)
 # With the dQ writer the producer warpgroup also issues dQ's reductions: at 24 registers it spilled; at 32 the
 # consumers keep 232, which the d128 build fits. Without it the producer keeps PRODUCER_REGISTERS.
@@ -640,7 +648,7 @@ def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
     tile = BWD_WGMMA_TILES.get(d)
     if tile is None or not deterministic:
         return tile
-    return replace(tile, dq_writer=False, dq_one_group=0, dq_buffers=1, scores_ahead=tile.dq_writer,
+    return replace(tile, dq_writer=False, dq_one_group=0, dq_buffers=1, dq_boxes=False, scores_ahead=tile.dq_writer,
                    turn_keeper=tile.block_n == 2 * WGMMA_M)
 
 
@@ -649,7 +657,7 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
     split_columns = n == WGMMA_M  # one key block for both warpgroups: P^T goes through shared memory as well
     score_tiles = BWD_SCORE_BUFFERS * (1 + split_columns) * n * m  # dS^T (and P^T), two steps' worth
     producer = DQ_WRITER_PRODUCER_REGISTERS if tile.dq_writer else PRODUCER_REGISTERS
-    stage_row = d + (BWD_DQ_STAGE_PAD if tile.dq_buffers == 1 else 0)  # fp32
+    stage_row = d + (BWD_DQ_STAGE_PAD if tile.dq_buffers == 1 and not tile.dq_boxes else 0)  # fp32
     dq_stage = tile.dq_buffers * m * stage_row * 4 if tile.dq_writer else 0
     storage = ((2 * n * d + 2 * stages * m * d + score_tiles) * ELEM_BYTES + 2 * stages * m * 4 + dq_stage
                + (1 + 2 * stages) * MBARRIER_BYTES)
@@ -659,12 +667,13 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
                ("FT_WIDE_BLOCKS", 1), ("FT_DQ_WRITER", int(tile.dq_writer)),
                ("FT_SCORES_AHEAD", int(tile.scores_ahead)), ("FT_TURN_KEEPER", int(tile.turn_keeper)),
                ("FT_DQ_ONE_GROUP", tile.dq_one_group), ("FT_DQ_BUFFERS", tile.dq_buffers),
+               ("FT_DQ_BOXES", int(tile.dq_boxes)),
                ("FT_PRODUCER_REGISTERS", producer),
                ("FT_CONSUMER_REGISTERS", consumer_registers(tile.warps // WARPGROUP_WARPS - 1, producer)),
                *ROW_DEFINES)
     return KernelSpec("wgmma/bwd.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, "sm_90a",
                       defines, smem, kv_maps=KvBox(n, WIDE_BOX_COLS), q_map=KvBox(m, WIDE_BOX_COLS),
-                      do_map=KvBox(m, WIDE_BOX_COLS))
+                      do_map=KvBox(m, WIDE_BOX_COLS), dq_map=KvBox(m, DQ_BOX_COLS) if tile.dq_boxes else None)
 
 
 def bwd_mma_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,

@@ -115,9 +115,39 @@ def kernel_argument(k: torch.Tensor, v: torch.Tensor, box: KvBox | None, q: torc
 
 
 def backward_argument(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                      boxes: tuple[KvBox, KvBox, KvBox]) -> bytes:
+                      boxes: tuple[KvBox, ...]) -> bytes:
     """The Hopper backward's BwdMaps parameter (kernels/common/tma.cuh): K's, V's, Q's and dO's maps; `boxes` are
-    the spec's K/V, Q and dO boxes."""
-    kv_box, q_box, do_box = boxes
-    return _map(k, kv_box) + _map(v, kv_box) + _map(q, q_box) + _map(dout, do_box)
+    the spec's K/V, Q and dO boxes, and a fourth, the dQ box, where its writer adds boxes: then the accumulator's
+    template follows (BwdMapsDq)."""
+    kv_box, q_box, do_box, *dq_box = boxes
+    maps = _map(k, kv_box) + _map(v, kv_box) + _map(q, q_box) + _map(dout, do_box)
+    return maps + dq_template(q.shape[-1], dq_box[0]) if dq_box else maps
+
+
+# The accumulator template's stand-ins for what the kernel sets (common/tma.cuh tensormap_complete): an aligned
+# address and a row count; the encoder reads neither's memory.
+TEMPLATE_ADDRESS = 1 << 16
+TEMPLATE_ROWS = 1 << 30
+
+
+def dq_template(head_dim: int, box: KvBox) -> bytes:
+    """The fp32 dQ accumulator's map as (head dim, rows), boxes of `box.cols` columns x `box.rows` rows, no
+    swizzle, with a stand-in address and row count: the backward's writer completes a copy on the device. The same
+    bytes for every call of a head dim."""
+    key = ("dq", head_dim, box.rows, box.cols)
+    encoded = _kept.get(key)
+    if encoded is None:
+        d = _cuda()
+        err, tmap = d.cuTensorMapEncodeTiled(
+            d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, TEMPLATE_ADDRESS,
+            [d.cuuint64_t(head_dim), d.cuuint64_t(TEMPLATE_ROWS)], [d.cuuint64_t(head_dim * 4)],
+            [d.cuuint32_t(box.cols), d.cuuint32_t(box.rows)], [d.cuuint32_t(1)] * 2,
+            d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+            d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        if err != d.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for the dQ accumulator's template, head dim "
+                               f"{head_dim}")
+        encoded = _kept[key] = ctypes.string_at(tmap.getPtr(), MAP_BYTES)
+    return encoded
 

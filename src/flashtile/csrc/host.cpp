@@ -107,7 +107,7 @@ void check(CUresult result, const char* what) {
 // ---- A plan's launches ----------------------------------------------------------------------------------
 
 constexpr size_t kParamsCapacity = 1024;  // bytes; the largest struct (BwdParams) is well under it
-constexpr size_t kMaxMapsBytes = 512;     // a second argument: K's, V's (and Q's, dO's) 128-byte tensor maps
+constexpr size_t kMaxMapsBytes = 640;     // a second argument: K's, V's (and Q's, dO's, dQ's) 128-byte tensor maps
 constexpr size_t kMapsAlign = 64;         // a tensor map's alignment
 
 struct Step {

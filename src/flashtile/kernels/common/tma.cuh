@@ -18,6 +18,9 @@ struct alignas(64) TensorMap { unsigned long long opaque[16]; };
 struct KvMaps { TensorMap k, v; };  // the forward's second parameter: K and V as (dim, rows, heads, batch)
 struct QkvoMaps { TensorMap k, v, q, o; };  // rung 5's: K and V as above, then Q and O as (dim, rows, heads, batch)
 struct BwdMaps { TensorMap k, v, q, dout; };  // the Hopper backward's: K, V, Q and dO, each as above
+// ... and, where its dQ writer adds boxes, an address-free template of the fp32 dQ accumulator's map as (head dim,
+// rows), which the kernel completes in global memory (tensormap_complete below).
+struct BwdMapsDq : BwdMaps { TensorMap dq_template; };
 
 constexpr int kMbarrierBytes = 8;
 constexpr int kSwizzle64Period = 512;
@@ -61,6 +64,28 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, int c
 __device__ __forceinline__ void tma_store_4d(const TensorMap& map, u32 src, int c0, int c1, int c2, int c3) {
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
                  :: "l"(&map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src) : "memory");
+}
+
+// One box of shared memory at `src` added (fp32) into a 2-D map's tensor at coordinates (c0 innermost, c1), in the
+// background like the stores; rows of the box past the tensor's extent are not added.
+__device__ __forceinline__ void tma_reduce_add_2d(const TensorMap* map, u32 src, int c0, int c1) {
+    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];"
+                 :: "l"(map), "r"(c0), "r"(c1), "r"(src) : "memory");
+}
+
+// A map whose address and outer extent are known only on the device: copy a template encoded on the host (any
+// address) into `slot` (global memory, 64-byte aligned, this block's alone), give it `address` and `rows` (its
+// dimension 1), and make the result visible to this thread's later copies through it (sm_90a). One thread.
+__device__ __forceinline__ void tensormap_complete(TensorMap* slot, const TensorMap& from, const void* address,
+                                                   u32 rows) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) slot->opaque[i] = from.opaque[i];
+    asm volatile("tensormap.replace.tile.global_address.global.b1024.b64 [%0], %1;" :: "l"(slot), "l"(address)
+                 : "memory");
+    asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], 1, %1;" :: "l"(slot), "r"(rows)
+                 : "memory");
+    asm volatile("fence.proxy.tensormap::generic.release.cta;" ::: "memory");
+    asm volatile("fence.proxy.tensormap::generic.acquire.cta [%0], 128;" :: "l"(slot) : "memory");
 }
 
 // Closes this thread's group of bulk operations (stores and reductions from shared memory) issued since the last.

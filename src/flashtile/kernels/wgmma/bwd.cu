@@ -74,9 +74,19 @@ constexpr int kWriterWarp = 1;      // the writer, or the turn keeper
 // The writer's staged dQ tile, in kDqBuffers buffers: with two, a step's dQ is staged while the writer still adds
 // the last one's. One buffer's rows are padded by 16 bytes, so that the 8 rows of a fragment's float2 stores start
 // 4 banks apart (every row stays 16-byte aligned for its bulk reduction); two padded buffers do not fit beside the
-// d128 tiles, so two have unpadded rows, and those stores conflict 4 ways.
+// d128 tiles, so two have unpadded rows, and those stores conflict 4 ways (kDqBoxes below avoids both).
 constexpr int kDqBuffers = FT_DQ_BUFFERS;
-constexpr int kDqStageStride = kHeadDim + (kDqBuffers == 1 ? 4 : 0);
+#ifndef FT_DQ_BOXES
+#define FT_DQ_BOXES 0
+#endif
+// kDqBoxes: the staged tile is instead boxes of kDqBoxCols columns x the tile's rows, one after the other (a
+// half-warp's float2 stores, 4 rows x 32 bytes, then fill one 128-byte line: no conflicts, no padding), which the
+// writer adds with tensor-map reductions, one per box, through a map it completes on the device (the accumulator's
+// address and rows are the call's). Rows past a sequence are zeros there (their dS is 0), so whole boxes are added.
+constexpr bool kDqBoxes = FT_DQ_BOXES;
+constexpr int kDqBoxCols = 8;
+constexpr int kDqBoxFloats = kDqBoxCols * kBlockM;
+constexpr int kDqStageStride = kHeadDim + (kDqBuffers == 1 && !kDqBoxes ? 4 : 0);
 constexpr int kDqFullBarrier = 2;  // + buffer: the pieces are staged (consumers arrive, the writer waits)
 constexpr int kDqEmptyBarrier = kDqFullBarrier + kDqBuffers;  // + buffer: the writer has read the staged tile
 constexpr int kTurnTakenBarrier = 2;  // the keeper has the tile's turn (the keeper arrives, consumers wait)
@@ -91,6 +101,7 @@ constexpr int kAddsIssuedBarrier = 3; // the consumers have issued their atomics
 constexpr int kDqFixedGroup = 1, kDqGroupsTakeTurns = 2;
 constexpr int kDqOneGroup = FT_DQ_ONE_GROUP;
 static_assert(kDqOneGroup == 0 || kDqOneGroup == kDqFixedGroup || kDqOneGroup == kDqGroupsTakeTurns, "0, 1 or 2");
+static_assert(!kDqBoxes || (kDqWriter && kDqBoxCols == kMmaN), "boxes are the writer's, an n8 tile each");
 // The dQ handoff between the writer and the warpgroups that stage dQ.
 constexpr int kDqHandoffThreads = (kDqOneGroup ? kWarpgroupThreads : kConsumerThreads) + kWarpSize;
 // setmaxnreg: the producer keeps what issuing copies needs, the consumers take the rest of the register file
@@ -142,6 +153,11 @@ template <> struct ProbabilityTile<false> { static constexpr elem_t (*p)[DsTile:
 // The staged dQ tile, only with the writer warp (the empty base takes no space).
 template <bool kStaged> struct DqStage { float dq_stage[kDqBuffers][kBlockM * kDqStageStride]; };
 template <> struct DqStage<false> { static constexpr float (*dq_stage)[kBlockM * kDqStageStride] = nullptr; };
+
+// The second parameter: with kDqBoxes it carries the accumulator map's template too.
+template <bool kTemplate> struct MapsOf { using type = BwdMaps; };
+template <> struct MapsOf<true> { using type = BwdMapsDq; };
+using Maps = MapsOf<kDqBoxes>::type;
 
 struct __align__(kSwizzleAtomBytes) SharedStorage : ProbabilityTile<!kSplitKeys>, DqStage<kDqWriter> {
     elem_t k[KTile::kElems];     // later the dK tile
@@ -254,14 +270,15 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, u32 src, u32 bytes) 
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 // The writer warp: for each step, once the consumers have staged the tile's dQ, each lane adds whole rows of it
-// to the fp32 accumulator with bulk reductions (rows past the sequence are not added) and hands the staging
-// buffer back as soon as the reductions have read it. Deterministic mode: lane 0 waits for the tile's turn before
-// the adds and passes it on once they have completed (bulk reductions are the async proxy's writes: a proxy fence
-// orders them before the release).
+// to the fp32 accumulator with bulk reductions (rows past the sequence are not added), or with kDqBoxes lane 0
+// adds every box through `dq_map`, and hands the staging buffer back as soon as the reductions have read it.
+// Deterministic mode: lane 0 waits for the tile's turn before the adds and passes it on once they have completed
+// (bulk reductions are the async proxy's writes: a proxy fence orders them before the release).
 __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, const Problem& pr0, int b, int h_first,
-                                      int n_block, int steps, int m_tiles, int m_hi, u32 stage, int lane) {
+                                      int n_block, int steps, int m_tiles, int m_hi, u32 stage, const TensorMap* dq_map,
+                                      int lane) {
     constexpr u32 kRowBytes = kHeadDim * sizeof(float), kStageRowBytes = kDqStageStride * sizeof(float);
-    constexpr u32 kBufferBytes = kBlockM * kStageRowBytes;
+    constexpr u32 kBufferBytes = kBlockM * kStageRowBytes, kBoxBytes = kBlockM * kDqBoxCols * sizeof(float);
     for (int buffer = 0; buffer < min(steps, kDqBuffers); ++buffer)  // the buffers start free
         named_barrier_arrive(kDqEmptyBarrier + buffer, kDqHandoffThreads);
 #pragma unroll 1
@@ -274,13 +291,24 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
             fence_proxy_async_global();
         }
         named_barrier_sync(kDqFullBarrier + buffer, kDqHandoffThreads);
-        float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * p.fwd.lse_head_stride + m0) * kHeadDim;
-        const int rows = min(kBlockM, pr0.seqlen_q - m0);
+        if constexpr (kDqBoxes) {  // by lane 0, which completed the map (and alone acquired it)
+            const i64 row0 = pr0.lse_offset + (head - h_first) * p.fwd.lse_head_stride + m0;  // an accumulator row
+            if (lane == 0) {
 #pragma unroll 1
-        for (int r = lane; r < rows; r += kWarpSize)
-            bulk_reduce_add(accum + r * kHeadDim, stage + buffer * kBufferBytes + r * kStageRowBytes, kRowBytes);
+                for (int box = 0; box < kHeadDim / kDqBoxCols; ++box)
+                    tma_reduce_add_2d(dq_map, stage + buffer * kBufferBytes + box * kBoxBytes, box * kDqBoxCols,
+                                      (int)row0);
+            }
+        } else {
+            float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * p.fwd.lse_head_stride + m0) * kHeadDim;
+            const int rows = min(kBlockM, pr0.seqlen_q - m0);
+#pragma unroll 1
+            for (int r = lane; r < rows; r += kWarpSize)
+                bulk_reduce_add(accum + r * kHeadDim, stage + buffer * kBufferBytes + r * kStageRowBytes, kRowBytes);
+        }
         bulk_commit();
         bulk_wait_all<true>();
+        if constexpr (kDqBoxes) __syncwarp();  // lane 0's reads done before the warp hands the buffer back
         if (step + kDqBuffers < steps) named_barrier_arrive(kDqEmptyBarrier + buffer, kDqHandoffThreads);
         if (turn.turn != nullptr) {
             bulk_wait_all<false>();
@@ -288,6 +316,18 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
             turn.pass([] { __syncwarp(); }, lane == 0);
         }
     }
+}
+
+// The writer's map of the accumulator where it adds boxes (none otherwise): this block's copy of the template, in
+// the scratch the plan leaves after the accumulator (a 128-byte slot per block), completed by lane 0 with the
+// accumulator's address and rows; those are the LSE's rows, and D lies just before the LSE in the scratch.
+__device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams&, const BwdMaps&, int) { return nullptr; }
+__device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams& p, const BwdMapsDq& maps, int lane) {
+    const u32 accum_rows = (u32)(p.lse_log2 - p.dsum);
+    const u32 block_index = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    TensorMap* slot = reinterpret_cast<TensorMap*>(p.dq_accum + (i64)accum_rows * kHeadDim) + block_index;
+    if (lane == 0) tensormap_complete(slot, maps.dq_template, p.dq_accum, accum_rows);
+    return slot;
 }
 
 // The turn keeper: for each step, lane 0 waits for the dQ tile's turn and the warp hands it to the consumers; once
@@ -307,7 +347,7 @@ __device__ __forceinline__ void keep_turns(const BwdParams& p, const Mask& mask,
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
-attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps maps) {
+attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps) {
     extern __shared__ __align__(kSwizzleAtomBytes) unsigned char smem_raw[];
     SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
     if (dynamic_smem_bytes() < sizeof(SharedStorage)) __trap();
@@ -359,7 +399,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
         // the warp's lanes (rows past the sequence read as zeros), into the ring as soon as a stage is free.
         setmaxnreg_dec<kProducerRegisters>();
         if (kDqWriter && warp == kWriterWarp) {
-            write_dq(p, mask, pr0, b, h_first, n_block, steps, m_tiles, m_hi, smem_addr(smem.dq_stage[0]), lane);
+            write_dq(p, mask, pr0, b, h_first, n_block, steps, m_tiles, m_hi, smem_addr(smem.dq_stage[0]),
+                     dq_map_of(p, maps, lane), lane);
             return;
         }
         if (kTurnKeeper && warp == kWriterWarp) {
@@ -489,12 +530,15 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ BwdMaps ma
     auto stage_dq = [&](const float (&dq)[kDqAccumulators], int step) {
         const int t = lane % kQuad, buffer = step % kDqBuffers;
         if constexpr (kDqBuffers == 1) wait_dq_buffer(step);
+        // Rows of the head dim, or (kDqBoxes) each n8 tile's columns in a box of their own.
+        constexpr int kTileStep = kDqBoxes ? kDqBoxFloats : kMmaN, kRowStep = kDqBoxes ? kDqBoxCols : kDqStageStride;
+        float* const piece = smem.dq_stage[buffer] + (kDqBoxes ? dq_col0 / kDqBoxCols * kDqBoxFloats : dq_col0);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            float* const row = smem.dq_stage[buffer] + (dq_row0 + row_in_group + 8 * half) * kDqStageStride + dq_col0;
+            float* const row = piece + (dq_row0 + row_in_group + 8 * half) * kRowStep;
 #pragma unroll
             for (int j = 0; j < kDqCols / kMmaN; ++j)
-                *reinterpret_cast<float2*>(row + j * kMmaN + 2 * t) =
+                *reinterpret_cast<float2*>(row + j * kTileStep + 2 * t) =
                     make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
         }
         fence_proxy_async();
