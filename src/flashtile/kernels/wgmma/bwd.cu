@@ -203,6 +203,18 @@ __device__ __forceinline__ void add_keys_by_dim(float (&acc)[kGradAccumulators],
                        mn_major(b_cols + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<BTile>), 1);
 }
 
+// dq = dS K as one commit group: A = dS, i.e. the rows of dS^T from `ds_rows` read MN-major (a k16 step is 16 keys,
+// 16 rows further); B = K's columns from `k_cols`, MN-major the same way.
+__device__ __forceinline__ void issue_dq(float (&dq)[kDqAccumulators], u32 ds_rows, u32 k_cols) {
+    fence_operands(dq);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / kWgmmaK; ++kk)
+        wgmma_ss<1, 1>(dq, mn_major(ds_rows + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<DsTile>),
+                       mn_major(k_cols + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<KTile>), kk > 0);
+    wgmma_commit();
+}
+
 // This thread's accumulators as 16-bit A fragments, one per k16 step (n8 tiles 2kk and 2kk + 1).
 __device__ __forceinline__ void to_fragments(u32 (&a)[kScoreSteps][4], const float (&acc)[kScoreAccumulators]) {
 #pragma unroll
@@ -659,13 +671,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
             }
             named_barrier_sync(kDsFullBarrier + buffer, kConsumerThreads);
             float dq[kDqAccumulators];
-            fence_operands(dq);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kBlockN / kWgmmaK; ++kk)
-                wgmma_ss<1, 1>(dq, mn_major(ds_buffer + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<DsTile>),
-                               mn_major(k_smem + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<KTile>), kk > 0);
-            wgmma_commit();
+            issue_dq(dq, ds_buffer, k_smem);
             if constexpr (kDqBuffers > 1) wait_dq_buffer(step);
             wgmma_wait<0>();
             fence_operands(dq);
@@ -684,18 +690,10 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         const DqTurn early_turn = take_turn(!kSplitKeys);
         consumers_sync();
 
-        // dQ = dS K for this warpgroup's piece: A = dS, i.e. dS^T's rows read MN-major (a k16 step is 16 keys,
-        // 16 rows further); B = K, MN-major the same way. With the columns split, dV and dK follow in a second
-        // commit group and run on while dQ's reductions issue; either way every product has finished before the
-        // step hands its stage back.
+        // dQ for this warpgroup's piece. With the columns split, dV and dK follow in a second commit group and run on
+        // while dQ's reductions issue; either way every product has finished before the step hands its stage back.
         float dq[kDqAccumulators];
-        fence_operands(dq);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / kWgmmaK; ++kk)
-            wgmma_ss<1, 1>(dq, mn_major(ds_buffer + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<DsTile>),
-                           mn_major(k_cols + kk * kWgmmaK * kSwizzleRowBytes, kColumnBlockBytes<KTile>), kk > 0);
-        wgmma_commit();
+        issue_dq(dq, ds_buffer, k_cols);
         if constexpr (kDqWriter && kDqBuffers > 1) wait_dq_buffer(step);
         if constexpr (!kSplitKeys) {
             fence_operands(dv);
