@@ -53,14 +53,23 @@ def _encode(t: torch.Tensor, box: KvBox) -> bytes:
         box_dims = [box.cols, box.rows, box.blocks, 1, 1]
     # A dimension of one index never moves: give it any legal stride (a multiple of 16 bytes below 2^40).
     span = -(-t.numel() * elem // 16) * 16
-    byte_strides = [d.cuuint64_t(s * elem if n > 1 else span) for n, s in zip(shape, strides)]
+    byte_strides = [s * elem if n > 1 else span for n, s in zip(shape, strides)]
     dtype = (d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
              else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
     swizzle = {64: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
                128: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}[box.cols * elem]
+    return _encode_tiled(t.device, dtype, t.data_ptr(), [*dims, *shape], byte_strides, box_dims, swizzle,
+                         f"a tensor of shape {tuple(t.shape)}, strides {t.stride()}")
+
+
+def _encode_tiled(device: torch.device, dtype, address: int, dims: list[int], byte_strides: list[int],
+                  box_dims: list[int], swizzle, what: str) -> bytes:
+    """cuTensorMapEncodeTiled's map (no interleave, 128-byte L2 promotion, no fill) as MAP_BYTES bytes."""
+    d = _cuda()
+
     def encode():
         return d.cuTensorMapEncodeTiled(
-            dtype, len(box_dims), t.data_ptr(), [d.cuuint64_t(n) for n in (*dims, *shape)], byte_strides,
+            dtype, len(box_dims), address, [d.cuuint64_t(n) for n in dims], [d.cuuint64_t(s) for s in byte_strides],
             [d.cuuint32_t(n) for n in box_dims], [d.cuuint32_t(1)] * len(box_dims),
             d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
             d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
@@ -70,11 +79,10 @@ def _encode(t: torch.Tensor, box: KvBox) -> bytes:
     if err == d.CUresult.CUDA_ERROR_INVALID_CONTEXT:
         # A thread where the CUDA runtime never ran (autograd's backward thread encodes the backward's maps) has
         # no current context: make the tensor's device's primary context current, once, as launch.run does.
-        cuda_module("cuda.core").Device(t.device.index).set_current()
+        cuda_module("cuda.core").Device(device.index).set_current()
         err, tmap = encode()
     if err != d.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for a tensor of shape {tuple(t.shape)}, "
-                           f"strides {t.stride()}")
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for {what}")
     return ctypes.string_at(tmap.getPtr(), MAP_BYTES)
 
 
@@ -121,7 +129,7 @@ def backward_argument(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
     template follows (BwdMapsDq)."""
     kv_box, q_box, do_box, *dq_box = boxes
     maps = _map(k, kv_box) + _map(v, kv_box) + _map(q, q_box) + _map(dout, do_box)
-    return maps + dq_template(q.shape[-1], dq_box[0]) if dq_box else maps
+    return maps + dq_template(q, dq_box[0]) if dq_box else maps
 
 
 # The accumulator template's stand-ins for what the kernel sets (common/tma.cuh tensormap_complete): an aligned
@@ -130,24 +138,18 @@ TEMPLATE_ADDRESS = 1 << 16
 TEMPLATE_ROWS = 1 << 30
 
 
-def dq_template(head_dim: int, box: KvBox) -> bytes:
-    """The fp32 dQ accumulator's map as (head dim, rows), boxes of `box.cols` columns x `box.rows` rows, no
+def dq_template(q: torch.Tensor, box: KvBox) -> bytes:
+    """The fp32 dQ accumulator's map as (q's head dim, rows), boxes of `box.cols` columns x `box.rows` rows, no
     swizzle, with a stand-in address and row count: the backward's writer completes a copy on the device. The same
     bytes for every call of a head dim."""
+    head_dim = q.shape[-1]
     key = ("dq", head_dim, box.rows, box.cols)
     encoded = _kept.get(key)
     if encoded is None:
         d = _cuda()
-        err, tmap = d.cuTensorMapEncodeTiled(
-            d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, TEMPLATE_ADDRESS,
-            [d.cuuint64_t(head_dim), d.cuuint64_t(TEMPLATE_ROWS)], [d.cuuint64_t(head_dim * 4)],
-            [d.cuuint32_t(box.cols), d.cuuint32_t(box.rows)], [d.cuuint32_t(1)] * 2,
-            d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
-            d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-            d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-        if err != d.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for the dQ accumulator's template, head dim "
-                               f"{head_dim}")
-        encoded = _kept[key] = ctypes.string_at(tmap.getPtr(), MAP_BYTES)
+        encoded = _kept[key] = _encode_tiled(
+            q.device, d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, TEMPLATE_ADDRESS,
+            [head_dim, TEMPLATE_ROWS], [head_dim * 4], [box.cols, box.rows],
+            d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE, f"the dQ accumulator's template, head dim {head_dim}")
     return encoded
 
