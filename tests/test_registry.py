@@ -167,7 +167,7 @@ def test_all_specs_cover_what_each_family_compiles():
         assert not any(s.source.startswith("wgmma/") or (s.kv_maps and s.kv_maps.rows) for s in registry.all_specs(arch))
 
 
-@pytest.mark.parametrize("d, writer, keeper", [(64, False, True), (128, True, True), (256, False, False)])
+@pytest.mark.parametrize("d, writer, keeper", [(64, True, True), (128, True, True), (256, False, False)])
 def test_the_dq_writer_serves_the_default_backward_only(d, writer, keeper):
     """The Hopper backward adds dQ through its writer warp where the tile table says so, except in the
     deterministic mode, where a turn keeper warp serves the split-keys tiles; both specs are among those compiled

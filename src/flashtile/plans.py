@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import launch, tma
-from .specs import KvBox
+from .specs import DqBox, KvBox
 
 # The first ADDRESS_FIELDS of AttnParams are the tensors' addresses; everything after them is fixed by shapes,
 # strides and options. BwdParams appends BWD_ADDRESS_FIELDS more addresses, then its strides.
@@ -112,7 +112,7 @@ class BwdPlan:
     accum_floats: int                    # the fp32 dQ accumulator of a head group (and its blocks' map slots)
     semaphore_ints: int                  # deterministic mode's turn counters of a head group; 0 when off
     groups: HeadGroups
-    boxes: tuple[KvBox, ...] | None = None  # the maps' boxes (K/V, Q, dO[, dQ]) where the kernel takes maps
+    boxes: tuple[KvBox | DqBox, ...] | None = None  # the maps' boxes (K/V, Q, dO[, dQ]) where the kernel takes maps
     # The tensor maps by the addresses they describe (Q's, K's, V's, dO's): the plan fixes the rest.
     maps: dict[tuple[int, ...], bytes] = field(default_factory=dict, compare=False)
 

@@ -36,6 +36,15 @@ class KvBox:
 
 
 @dataclass(frozen=True)
+class DqBox:
+    """The box of the fp32 dQ accumulator's map, where the Hopper backward's writer adds dQ in boxes."""
+
+    rows: int   # query rows per box (the kernel's block)
+    cols: int   # fp32 columns per box
+    width: int  # floats per accumulator row: the kernel's head dim, which a narrower q's is padded to
+
+
+@dataclass(frozen=True)
 class KernelSpec:
     source: str                          # path under flashtile/kernels/, e.g. "ladder/r2_tiled.cu"
     entries: tuple[str, ...]             # extern "C" kernel names in that file
@@ -47,7 +56,7 @@ class KernelSpec:
     q_map: KvBox | None = None           # Q's map after them (rung 5's producer loads Q); None: none
     do_map: KvBox | None = None          # dO's map after Q's (the Hopper backward's producer); None: none
     o_map: KvBox | None = None           # O's map after Q's (rung 5's consumers store O through it); None: none
-    dq_map: KvBox | None = None          # the fp32 dQ accumulator's template after dO's (its writer adds boxes)
+    dq_map: DqBox | None = None          # the fp32 dQ accumulator's template after dO's (its writer adds boxes)
 
     @property
     def maps_bytes(self) -> int:
@@ -602,29 +611,24 @@ class BwdWgmmaTile:
 
 
 BWD_WGMMA_TILES = {
-    64: BwdWgmmaTile(128, 128, 2, "keys split, dQ split by rows (64 queries per warpgroup); 163 KB. Faster than "
-                                  "sdpa-flash and bwd.cu; the dQ writer warp measured slower here (notes.md)"),
-    128: BwdWgmmaTile(64, 128, 2, "keys split, dQ split by columns (64 per warpgroup); S^T, dP^T 32 and dK, dV 64 "
-                                  "registers each; dQ by the writer warp; 195 KB. Faster than sdpa-flash and bwd.cu",
-                      dq_writer=True),
+    64: BwdWgmmaTile(128, 128, 2, "keys split, dQ split by rows (64 queries per warpgroup); dQ staged as boxes that "
+                                  "the writer warp adds by tensor-map reductions; 195 KB. Faster than the "
+                                  "consumers' atomics, which made the writer's row reductions slower here",
+                     dq_writer=True, dq_boxes=True),
+    128: BwdWgmmaTile(64, 128, 2, "keys split; dQ by one warpgroup a step, the two in turns, over two staged tiles "
+                                  "of boxes the writer warp adds by tensor-map reductions; S^T, dP^T 32 and dK, dV "
+                                  "64 registers each; 226 KB. Faster than dQ split by columns or rows reduced",
+                      dq_writer=True, dq_one_group=2, dq_buffers=2, dq_boxes=True),
     256: BwdWgmmaTile(64, 64, 2, "columns split: 64 keys shared by both warpgroups, each with half of dK, dV and dQ "
                                  "(64 registers each); warpgroup 0 S^T and P^T, warpgroup 1 dP^T and dS^T, both "
                                  "through shared memory; 226 KB. Faster than sdpa-flash and bwd_grid.cu; S^T/dP^T "
                                  "split by queries instead is slower (both warpgroups read all of K and V)"),
 }
-# Builds of BWD_WGMMA_TILES' rows measured beside them, or written to be, and not taken yet (docs/notes.md, session
-# twenty-five; each reason says which): CI compiles them, scripts/tune_bwd.py times them. dQ by one warpgroup at a
-# time with two staged tiles measured faster at d128 and passed the backward GPU tests, but neither the sanitizers
-# nor the matrix have run on it yet; its staged tiles' stores conflict 4 ways (padded rows do not fit twice), which
-# the third, dQ staged as boxes and added through a tensor map, removes.
+# Builds of BWD_WGMMA_TILES' rows measured beside them and not taken (docs/notes.md, sessions twenty-five and
+# twenty-six): CI compiles them, scripts/tune_bwd.py times them.
 BWD_WGMMA_ALTERNATIVES = {
-    128: (replace(BWD_WGMMA_TILES[128], dq_one_group=2, dq_buffers=2,
-                  why="dQ by the two warpgroups in turns, two staged tiles (unpadded rows)"),
-          replace(BWD_WGMMA_TILES[128], dq_one_group=1,
-                  why="dQ by the first warpgroup alone (level with the table's build)"),
-          replace(BWD_WGMMA_TILES[128], dq_one_group=2, dq_buffers=2, dq_boxes=True,
-                  why="the first, its dQ staged as boxes and added by tensor-map reductions: written and compiled, "
-                      "not yet run on a GPU")),
+    128: (replace(BWD_WGMMA_TILES[128], dq_one_group=0, dq_buffers=1, dq_boxes=False,
+                  why="dQ split by columns, one padded staged tile that the writer adds by row reductions (slower)"),),
 }
 # dS^T (and P^T) in two buffers that alternate by step: with no block barrier between steps, one warpgroup may
 # write the next step's while the other still reads this step's.
@@ -640,16 +644,17 @@ def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
                    deterministic: bool = False) -> BwdWgmmaTile | None:
     """The Hopper kernel's tile, or None where rung 4's kernels serve. The deterministic mode adds dQ from the
     consumers: the writer warp's turns, each waiting for its reductions to complete, cost more than the atomics'
-    (docs/notes.md, session eighteen). Where that makes it a build of its own, the next step's S^T runs under
-    those atomics (+4% at d128; the same order cost the writer's builds 2-4% and d64 1-2%: notes.md, session
-    twenty)."""
+    (docs/notes.md, session eighteen). Where the keys are split and a step's queries are one block of 64 (d128),
+    the next step's S^T runs under those atomics (+4% at d128; the same order cost d64's 128 queries 1-2%:
+    notes.md, session twenty)."""
     if arch != "sm_90a" or score_mods or d != dv:
         return None
     tile = BWD_WGMMA_TILES.get(d)
     if tile is None or not deterministic:
         return tile
-    return replace(tile, dq_writer=False, dq_one_group=0, dq_buffers=1, dq_boxes=False, scores_ahead=tile.dq_writer,
-                   turn_keeper=tile.block_n == 2 * WGMMA_M)
+    split_keys = tile.block_n == 2 * WGMMA_M
+    return replace(tile, dq_writer=False, dq_one_group=0, dq_buffers=1, dq_boxes=False,
+                   scores_ahead=split_keys and tile.block_m == WGMMA_M, turn_keeper=split_keys)
 
 
 def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
@@ -673,7 +678,7 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
                *ROW_DEFINES)
     return KernelSpec("wgmma/bwd.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, "sm_90a",
                       defines, smem, kv_maps=KvBox(n, WIDE_BOX_COLS), q_map=KvBox(m, WIDE_BOX_COLS),
-                      do_map=KvBox(m, WIDE_BOX_COLS), dq_map=KvBox(m, DQ_BOX_COLS) if tile.dq_boxes else None)
+                      do_map=KvBox(m, WIDE_BOX_COLS), dq_map=DqBox(m, DQ_BOX_COLS, d) if tile.dq_boxes else None)
 
 
 def bwd_mma_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,

@@ -22,7 +22,7 @@ import torch
 
 from .jit import cuda_module
 from .specs import TENSOR_MAP_BYTES as MAP_BYTES
-from .specs import KvBox
+from .specs import DqBox, KvBox
 
 NO_MAPS = bytes(2 * MAP_BYTES)  # the kernel's KvMaps parameter when its build loads K/V with cp.async
 MAX_KEPT_MAPS = 1024
@@ -123,7 +123,7 @@ def kernel_argument(k: torch.Tensor, v: torch.Tensor, box: KvBox | None, q: torc
 
 
 def backward_argument(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                      boxes: tuple[KvBox, ...]) -> bytes:
+                      boxes: tuple[KvBox | DqBox, ...]) -> bytes:
     """The Hopper backward's BwdMaps parameter (kernels/common/tma.cuh): K's, V's, Q's and dO's maps; `boxes` are
     the spec's K/V, Q and dO boxes, and a fourth, the dQ box, where its writer adds boxes: then the accumulator's
     template follows (BwdMapsDq)."""
@@ -138,18 +138,18 @@ TEMPLATE_ADDRESS = 1 << 16
 TEMPLATE_ROWS = 1 << 30
 
 
-def dq_template(q: torch.Tensor, box: KvBox) -> bytes:
-    """The fp32 dQ accumulator's map as (q's head dim, rows), boxes of `box.cols` columns x `box.rows` rows, no
-    swizzle, with a stand-in address and row count: the backward's writer completes a copy on the device. The same
-    bytes for every call of a head dim."""
-    head_dim = q.shape[-1]
-    key = ("dq", head_dim, box.rows, box.cols)
+def dq_template(q: torch.Tensor, box: DqBox) -> bytes:
+    """The fp32 dQ accumulator's map as (the kernel's head dim, rows), boxes of `box.cols` columns x `box.rows`
+    rows, no swizzle, with a stand-in address and row count: the backward's writer completes a copy on the device.
+    The accumulator's rows are the kernel's head dim wide, also where q's is narrower (its last boxes then add
+    the zeros of the padded columns). The same bytes for every call of a kernel."""
+    key = ("dq", box.width, box.rows, box.cols)
     encoded = _kept.get(key)
     if encoded is None:
         d = _cuda()
         encoded = _kept[key] = _encode_tiled(
             q.device, d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, TEMPLATE_ADDRESS,
-            [head_dim, TEMPLATE_ROWS], [head_dim * 4], [box.cols, box.rows],
-            d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE, f"the dQ accumulator's template, head dim {head_dim}")
+            [box.width, TEMPLATE_ROWS], [box.width * 4], [box.cols, box.rows],
+            d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE, f"the dQ accumulator's template, head dim {box.width}")
     return encoded
 
