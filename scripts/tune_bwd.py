@@ -65,7 +65,7 @@ def main(dims):
                     *(x.transpose(1, 2) for x in leaves), is_causal=causal).transpose(1, 2), leaves, dout)
             cases = [("bwd", c, specs.BwdTile(*c[:3], d > 128, "candidate"), None, None) for c in CANDIDATES[d]]
             cases += [("grid", c, None, specs.BwdGridTile(*c, "candidate"), None) for c in GRID_CANDIDATES[d]]
-            cases += [("wgmma", (c.block_m, c.block_n, c.stages, f"dq_one_group={c.dq_one_group}",
+            cases += [("wgmma", (c.block_m, c.block_n, c.stages, f"dq_turns={c.dq_turns}",
                                  f"dq_buffers={c.dq_buffers}"), None, None, c) for c in WGMMA_CANDIDATES.get(d, ())]
             for kernel, cand, tile, grid_tile, wgmma_tile in cases:
                 _use(d, tile, grid_tile, wgmma_tile)

@@ -605,8 +605,8 @@ class BwdWgmmaTile:
     dq_writer: bool = False  # dQ staged in shared memory and added by the producer warpgroup's second warp
     scores_ahead: bool = False  # a step's S^T issued by the step before, behind its dQ product (keys split)
     turn_keeper: bool = False  # deterministic mode: the producer warpgroup's second warp keeps dQ's turns
-    dq_one_group: int = 0  # with the writer: dQ by one warpgroup a step (1: always the first, 2: by turns)
-    dq_buffers: int = 1  # with the writer: staged dQ tiles (2: the next is staged while the writer adds the last)
+    dq_turns: bool = False  # with the writer: dQ by one warpgroup a step, the two in turns
+    dq_buffers: int = 1  # with the writer's boxes: staged dQ tiles (2: the next is staged while the writer adds the last)
     dq_boxes: bool = False  # with the writer: dQ staged as boxes of 8 columns, added by tensor-map reductions
 
 
@@ -618,7 +618,7 @@ BWD_WGMMA_TILES = {
     128: BwdWgmmaTile(64, 128, 2, "keys split; dQ by one warpgroup a step, the two in turns, over two staged tiles "
                                   "of boxes the writer warp adds by tensor-map reductions; S^T, dP^T 32 and dK, dV "
                                   "64 registers each; 226 KB. Faster than dQ split by columns or rows reduced",
-                      dq_writer=True, dq_one_group=2, dq_buffers=2, dq_boxes=True),
+                      dq_writer=True, dq_turns=True, dq_buffers=2, dq_boxes=True),
     256: BwdWgmmaTile(64, 64, 2, "columns split: 64 keys shared by both warpgroups, each with half of dK, dV and dQ "
                                  "(64 registers each); warpgroup 0 S^T and P^T, warpgroup 1 dP^T and dS^T, both "
                                  "through shared memory; 226 KB. Faster than sdpa-flash and bwd_grid.cu; S^T/dP^T "
@@ -627,14 +627,14 @@ BWD_WGMMA_TILES = {
 # Builds of BWD_WGMMA_TILES' rows measured beside them and not taken (docs/notes.md, sessions twenty-five and
 # twenty-six): CI compiles them, scripts/tune_bwd.py times them.
 BWD_WGMMA_ALTERNATIVES = {
-    128: (replace(BWD_WGMMA_TILES[128], dq_one_group=0, dq_buffers=1, dq_boxes=False,
+    128: (replace(BWD_WGMMA_TILES[128], dq_turns=False, dq_buffers=1, dq_boxes=False,
                   why="dQ split by columns, one padded staged tile that the writer adds by row reductions (slower)"),),
 }
 # dS^T (and P^T) in two buffers that alternate by step: with no block barrier between steps, one warpgroup may
 # write the next step's while the other still reads this step's.
 BWD_SCORE_BUFFERS = 2
 DQ_BOX_COLS = 8  # fp32 columns of a dQ box where the writer adds boxes (wgmma/bwd.cu kDqBoxCols)
-BWD_DQ_STAGE_PAD = 4  # floats after each staged dQ row where the writer has one buffer (wgmma/bwd.cu kDqStageStride)
+BWD_DQ_STAGE_PAD = 4  # floats after each staged dQ row where the writer adds rows (wgmma/bwd.cu kDqStageStride)
 # With the dQ writer the producer warpgroup also issues dQ's reductions: at 24 registers it spilled; at 32 the
 # consumers keep 232, which the d128 build fits. Without it the producer keeps PRODUCER_REGISTERS.
 DQ_WRITER_PRODUCER_REGISTERS = 32
@@ -653,7 +653,7 @@ def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
     if tile is None or not deterministic:
         return tile
     split_keys = tile.block_n == 2 * WGMMA_M
-    return replace(tile, dq_writer=False, dq_one_group=0, dq_buffers=1, dq_boxes=False,
+    return replace(tile, dq_writer=False, dq_turns=False, dq_buffers=1, dq_boxes=False,
                    scores_ahead=split_keys and tile.block_m == WGMMA_M, turn_keeper=split_keys)
 
 
@@ -662,7 +662,7 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
     split_columns = n == WGMMA_M  # one key block for both warpgroups: P^T goes through shared memory as well
     score_tiles = BWD_SCORE_BUFFERS * (1 + split_columns) * n * m  # dS^T (and P^T), two steps' worth
     producer = DQ_WRITER_PRODUCER_REGISTERS if tile.dq_writer else PRODUCER_REGISTERS
-    stage_row = d + (BWD_DQ_STAGE_PAD if tile.dq_buffers == 1 and not tile.dq_boxes else 0)  # fp32
+    stage_row = d + (0 if tile.dq_boxes else BWD_DQ_STAGE_PAD)  # fp32
     dq_stage = tile.dq_buffers * m * stage_row * 4 if tile.dq_writer else 0
     storage = ((2 * n * d + 2 * stages * m * d + score_tiles) * ELEM_BYTES + 2 * stages * m * 4 + dq_stage
                + (1 + 2 * stages) * MBARRIER_BYTES)
@@ -671,7 +671,7 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
                ("FT_WARPS", tile.warps), ("FT_STAGES", stages), ("FT_SOFTCAP", 0), ("FT_ALIBI", 0),
                ("FT_WIDE_BLOCKS", 1), ("FT_DQ_WRITER", int(tile.dq_writer)),
                ("FT_SCORES_AHEAD", int(tile.scores_ahead)), ("FT_TURN_KEEPER", int(tile.turn_keeper)),
-               ("FT_DQ_ONE_GROUP", tile.dq_one_group), ("FT_DQ_BUFFERS", tile.dq_buffers),
+               ("FT_DQ_TURNS", int(tile.dq_turns)), ("FT_DQ_BUFFERS", tile.dq_buffers),
                ("FT_DQ_BOXES", int(tile.dq_boxes)),
                ("FT_PRODUCER_REGISTERS", producer),
                ("FT_CONSUMER_REGISTERS", consumer_registers(tile.warps // WARPGROUP_WARPS - 1, producer)),

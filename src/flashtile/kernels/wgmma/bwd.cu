@@ -72,9 +72,9 @@ constexpr int kWriterWarp = 1;      // the writer, or the turn keeper
 #define FT_DQ_BUFFERS 1
 #endif
 // The writer's staged dQ tile, in kDqBuffers buffers: with two, a step's dQ is staged while the writer still adds
-// the last one's. One buffer's rows are padded by 16 bytes, so that the 8 rows of a fragment's float2 stores start
-// 4 banks apart (every row stays 16-byte aligned for its bulk reduction); two padded buffers do not fit beside the
-// d128 tiles, so two have unpadded rows, and those stores conflict 4 ways (kDqBoxes below avoids both).
+// the last one's. Staged as rows (the writer's row reductions), each row is padded by 16 bytes, so that the 8 rows
+// of a fragment's float2 stores start 4 banks apart (every row stays 16-byte aligned for its bulk reduction); two
+// padded buffers do not fit beside the d128 tiles, so two buffers take the boxes below (no padding, no conflicts).
 constexpr int kDqBuffers = FT_DQ_BUFFERS;
 #ifndef FT_DQ_BOXES
 #define FT_DQ_BOXES 0
@@ -86,24 +86,23 @@ constexpr int kDqBuffers = FT_DQ_BUFFERS;
 constexpr bool kDqBoxes = FT_DQ_BOXES;
 constexpr int kDqBoxCols = 8;
 constexpr int kDqBoxFloats = kDqBoxCols * kBlockM;
-constexpr int kDqStageStride = kHeadDim + (kDqBuffers == 1 && !kDqBoxes ? 4 : 0);
+static_assert(kDqBuffers == 1 || kDqBoxes, "two staged tiles fit as boxes");
+constexpr int kDqStageStride = kHeadDim + (kDqBoxes ? 0 : 4);
 constexpr int kDqFullBarrier = 2;  // + buffer: the pieces are staged (consumers arrive, the writer waits)
 constexpr int kDqEmptyBarrier = kDqFullBarrier + kDqBuffers;  // + buffer: the writer has read the staged tile
 constexpr int kTurnTakenBarrier = 2;  // the keeper has the tile's turn (the keeper arrives, consumers wait)
 constexpr int kAddsIssuedBarrier = 3; // the consumers have issued their atomics (consumers arrive, the keeper waits)
-#ifndef FT_DQ_ONE_GROUP
-#define FT_DQ_ONE_GROUP 0
+#ifndef FT_DQ_TURNS
+#define FT_DQ_TURNS 0
 #endif
-// dQ of a step by one consumer warpgroup alone (with the writer, keys split, dQ split by columns): dQ = dS K over
-// the whole head dim, so dS^T and K are read once a step instead of once per warpgroup, and the other warpgroup
-// goes on to its next step instead of meeting the first. kDqFixedGroup: always warpgroup 0; kDqGroupsTakeTurns:
-// the warpgroup step % 2, so that each computes every other step's dQ (from the dS^T buffer of its own index).
-constexpr int kDqFixedGroup = 1, kDqGroupsTakeTurns = 2;
-constexpr int kDqOneGroup = FT_DQ_ONE_GROUP;
-static_assert(kDqOneGroup == 0 || kDqOneGroup == kDqFixedGroup || kDqOneGroup == kDqGroupsTakeTurns, "0, 1 or 2");
+// dQ of a step by one consumer warpgroup alone, the two taking turns (with the writer, keys split, dQ split by
+// columns): warpgroup step % 2 computes dQ = dS K over the whole head dim from the dS^T buffer of its own index,
+// so dS^T and K are read once a step instead of once per warpgroup, and the other warpgroup goes on to its next
+// step instead of meeting the first.
+constexpr bool kDqTurns = FT_DQ_TURNS;
 static_assert(!kDqBoxes || (kDqWriter && kDqBoxCols == kMmaN), "boxes are the writer's, an n8 tile each");
 // The dQ handoff between the writer and the warpgroups that stage dQ.
-constexpr int kDqHandoffThreads = (kDqOneGroup ? kWarpgroupThreads : kConsumerThreads) + kWarpSize;
+constexpr int kDqHandoffThreads = (kDqTurns ? kWarpgroupThreads : kConsumerThreads) + kWarpSize;
 // setmaxnreg: the producer keeps what issuing copies needs, the consumers take the rest of the register file
 // (specs.py, consumer_registers).
 constexpr int kProducerRegisters = FT_PRODUCER_REGISTERS;
@@ -121,9 +120,9 @@ static_assert(!kSoftcap && !kAlibi, "score modifications run in mma/bwd.cu");
 // dK/dV its 64 keys x kGradCols columns; dQ 64 rows x kDqCols.
 constexpr int kGradCols = kSplitKeys ? kHeadDim : kHeadDim / kWarpgroups;
 constexpr bool kDqByRows = kBlockM == kWarpgroups * kWgmmaM;
-constexpr int kDqCols = kDqByRows || kDqOneGroup ? kHeadDim : kHeadDim / kWarpgroups;
-static_assert(!kDqOneGroup || (kSplitKeys && kDqWriter && !kDqByRows && !kScoresAhead),
-              "dQ by one warpgroup: keys split, the writer stages, a step's 64 queries in one piece");
+constexpr int kDqCols = kDqByRows || kDqTurns ? kHeadDim : kHeadDim / kWarpgroups;
+static_assert(!kDqTurns || (kSplitKeys && kDqWriter && !kDqByRows && !kScoresAhead),
+              "dQ in turns: keys split, the writer stages, a step's 64 queries in one piece");
 static_assert(kGradCols == 64 || kGradCols == 128, "products exist for N = 64, 128");
 static_assert(kDqCols == 64 || kDqCols == 128, "products exist for N = 64, 128");
 static_assert(kDqByRows || kBlockM == kWgmmaM, "dQ pieces of 64 rows");
@@ -504,7 +503,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
     // This warpgroup's share, as tile offsets: its keys, the columns of its dK/dV, its rows and columns of dQ.
     const int key0 = kSplitKeys ? group * kWgmmaM : 0;
     const int grad_col0 = kSplitKeys ? 0 : group * kGradCols;
-    const int dq_row0 = kDqByRows ? group * kWgmmaM : 0, dq_col0 = kDqByRows || kDqOneGroup ? 0 : group * kDqCols;
+    const int dq_row0 = kDqByRows ? group * kWgmmaM : 0, dq_col0 = kDqByRows || kDqTurns ? 0 : group * kDqCols;
     const int row_in_group = (warp % kWarpgroupWarps) * kMmaM + lane / kQuad;  // this lane's rows: +0 and +8
     const u32 k_rows = k_smem + key0 * kSwizzleRowBytes, v_rows = v_smem + key0 * kSwizzleRowBytes;
     const u32 ds_piece = ds_smem + (dq_row0 / kSwizzleRowElems) * kColumnBlockBytes<DsTile>;
@@ -532,9 +531,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         if (lane == 0) mbarrier_arrive(empty + stage * kMbarrierBytes);
     };
 
-    // The warpgroup that computes a step's dQ where one does (kDqOneGroup); its index is the step's dS^T buffer's
-    // under kDqGroupsTakeTurns.
-    auto dq_group_of = [](int step) { return kDqOneGroup == kDqGroupsTakeTurns ? step % kScoreBuffers : 0; };
+    // The warpgroup that computes a step's dQ where one does (kDqTurns): the step's dS^T buffer's index.
+    auto dq_group_of = [](int step) { return step % kScoreBuffers; };
     // The writer's handoff: wait until the writer has read what it last added from the step's buffer (with two
     // buffers while dQ's product runs, where it seldom waits; with one right before staging), then stage this
     // warpgroup's piece and publish it to the writer's bulk reads.
@@ -631,13 +629,13 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
             add_keys_by_dim<DoTile>(dv, p16, do_cols);
             add_keys_by_dim<QTile>(dk, ds16, q_cols);
             wgmma_commit();
-            if (kDqOneGroup && group != dq_group_of(step))  // dQ's product two steps ago has read the buffer
+            if (kDqTurns && group != dq_group_of(step))  // dQ's product two steps ago has read the buffer
                 named_barrier_sync(kDsEmptyBarrier + buffer, kConsumerThreads);
             store_fragments(ds_tile, ds16, key0 + row_in_group, 2 * t);
             wgmma_wait<0>();
             fence_operands(dv);
             fence_operands(dk);
-            if constexpr (kScoresAhead || kDqOneGroup) release(stage);  // the stage's last reader is done
+            if constexpr (kScoresAhead || kDqTurns) release(stage);  // the stage's last reader is done
         } else {
             // Warpgroup 0 computes S^T = K Q^T and P^T, warpgroup 1 dP^T = V dO^T (the same product on the other
             // tiles, so no branch around it); P^T meets dP^T in shared memory and warpgroup 1 forms dS^T.
@@ -661,7 +659,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
             }
         }
         fence_proxy_async();
-        if constexpr (kDqOneGroup) {
+        if constexpr (kDqTurns) {
             // The other warpgroup hands its dS^T rows over and goes on; dQ's warpgroup computes dQ = dS K over
             // all 128 keys and the whole head dim, hands the buffer back, and stages dQ for the writer.
             const int buffer_group = dq_group_of(step);
@@ -756,7 +754,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         wgmma_wait<0>();
         fence_operands(s_ahead);
     }
-    if constexpr (kDqOneGroup) {  // each dS^T buffer starts free
+    if constexpr (kDqTurns) {  // each dS^T buffer starts free
         for (int buffer = 0; buffer < min(steps, kScoreBuffers); ++buffer)
             if (group == dq_group_of(buffer)) named_barrier_arrive(kDsEmptyBarrier + buffer, kConsumerThreads);
     }
@@ -764,7 +762,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         const int stage = step % kStages, m0 = m_tile_of(step) * kBlockM;
         if (!kScoresAhead) mbarrier_wait(full + stage * kMbarrierBytes, (step / kStages) & 1);
         step_body(step, stage, !mask.tile_unmasked(m0, min(m0 + kBlockM, pr0.seqlen_q), n0, n0 + kBlockN));
-        if (!kScoresAhead && !kDqOneGroup) release(stage);
+        if (!kScoresAhead && !kDqTurns) release(stage);
     }
 
     // Every consumer is past its last product (which read K): K and V's tiles are free to stage dK and dV.
