@@ -104,6 +104,19 @@ def test_a_backward_that_adds_dq_boxes_takes_the_accumulators_template_fifth(mon
     assert specs.bwd_wgmma_spec("bf16", 128, specs.bwd_wgmma_tile(128, 128, "sm_90a", deterministic=True)).dq_map is None
 
 
+def test_every_dq_template_is_as_wide_as_its_kernels_accumulator():
+    """The accumulator's rows are the kernel's head dim wide (wgmma/bwd.cu indexes them by kHeadDim) and a box is
+    the kernel's step of rows by the staged boxes' columns: a template as wide as q's head dim instead read a d40 q's
+    dQ from the wrong places in the d64 kernel."""
+    from flashtile import registry
+
+    templates = [s for s in registry.all_specs("sm_90a") if s.dq_map is not None]
+    assert {dict(s.defines)["FT_HEAD_DIM"] for s in templates} == {64, 128}
+    for spec in templates:
+        defines = dict(spec.defines)
+        assert spec.dq_map == specs.DqBox(defines["FT_BLOCK_M"], specs.DQ_BOX_COLS, defines["FT_HEAD_DIM"])
+
+
 class _FakeDriver:
     """cuda.bindings.driver's few names tma._encode uses, recording what it is asked to encode."""
 
