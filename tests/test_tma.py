@@ -101,7 +101,8 @@ def test_a_backward_that_adds_dq_boxes_takes_the_accumulators_template_fifth(mon
     assert len(driver.calls) == 1
     rank, dims, strides, box = driver.calls[0]
     assert (rank, dims, strides, box) == (2, [128, tma.TEMPLATE_ROWS], [128 * 4], [8, tile.block_m])
-    assert specs.bwd_wgmma_spec("bf16", 128, specs.bwd_wgmma_tile(128, 128, "sm_90a", deterministic=True)).dq_map is None
+    repeatable = specs.bwd_wgmma_tile(128, 128, "sm_90a", deterministic=True)
+    assert specs.bwd_wgmma_spec("bf16", 128, repeatable).dq_map is None
 
 
 def test_every_dq_template_is_as_wide_as_its_kernels_accumulator():

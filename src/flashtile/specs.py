@@ -606,7 +606,7 @@ class BwdWgmmaTile:
     scores_ahead: bool = False  # a step's S^T issued by the step before, behind its dQ product (keys split)
     turn_keeper: bool = False  # deterministic mode: the producer warpgroup's second warp keeps dQ's turns
     dq_turns: bool = False  # with the writer: dQ by one warpgroup a step, the two in turns
-    dq_buffers: int = 1  # with the writer's boxes: staged dQ tiles (2: the next is staged while the writer adds the last)
+    dq_buffers: int = 1  # staged dQ tiles of boxes (2: the next is staged while the writer adds the last)
     dq_boxes: bool = False  # with the writer: dQ staged as boxes of 8 columns, added by tensor-map reductions
 
 
