@@ -644,7 +644,7 @@ def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
                    deterministic: bool = False) -> BwdWgmmaTile | None:
     """The Hopper kernel's tile, or None where rung 4's kernels serve. The deterministic mode adds dQ from the
     consumers: the writer warp's turns, each waiting for its reductions to complete, cost more than the atomics'
-    (docs/notes.md, session eighteen). Where the keys are split and a step's queries are one block of 64 (d128),
+    when the writer added rows (docs/notes.md, session eighteen; its boxes' turns are not measured yet). Where the keys are split and a step's queries are one block of 64 (d128),
     the next step's S^T runs under those atomics (+4% at d128; the same order cost d64's 128 queries 1-2%:
     notes.md, session twenty)."""
     if arch != "sm_90a" or score_mods or d != dv:
