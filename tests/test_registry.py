@@ -167,19 +167,20 @@ def test_all_specs_cover_what_each_family_compiles():
         assert not any(s.source.startswith("wgmma/") or (s.kv_maps and s.kv_maps.rows) for s in registry.all_specs(arch))
 
 
-@pytest.mark.parametrize("d, writer, keeper", [(64, True, True), (128, True, True), (256, False, False)])
-def test_the_dq_writer_serves_the_default_backward_only(d, writer, keeper):
-    """The Hopper backward adds dQ through its writer warp where the tile table says so, except in the
-    deterministic mode, where a turn keeper warp serves the split-keys tiles; both specs are among those compiled
-    ahead of time."""
+@pytest.mark.parametrize("d, writer, repeatable_writer, keeper",
+                         [(64, True, False, True), (128, True, True, False), (256, False, False, False)])
+def test_the_dq_writer_serves_the_backward_where_the_table_says(d, writer, repeatable_writer, keeper):
+    """The Hopper backward adds dQ through its writer warp where the tile table says so; in the deterministic
+    mode it keeps the turns only where it has two staged tiles (d128), and a turn keeper warp serves the other
+    split-keys tile (d64); every spec is among those compiled ahead of time."""
     wgmma = next(f for f in backward.FAMILIES if f.name == "bwd-wgmma")
     default, repeatable = (wgmma.spec(Variant("bwd", BF16, d, d, frozenset(), "sm_90a", deterministic=deterministic))
                            for deterministic in (False, True))
     assert dict(default.defines)["FT_DQ_WRITER"] == int(writer)
-    assert dict(repeatable.defines)["FT_DQ_WRITER"] == 0
+    assert dict(repeatable.defines)["FT_DQ_WRITER"] == int(repeatable_writer)
     assert dict(default.defines)["FT_TURN_KEEPER"] == 0
     assert dict(repeatable.defines)["FT_TURN_KEEPER"] == int(keeper)
-    assert (default == repeatable) == (not writer and not keeper)
+    assert (default == repeatable) == (writer == repeatable_writer and not keeper)
     assert {default, repeatable} <= set(registry.all_specs("sm_90a"))
 
 

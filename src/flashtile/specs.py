@@ -642,15 +642,16 @@ DQ_WRITER_PRODUCER_REGISTERS = 32
 
 def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
                    deterministic: bool = False) -> BwdWgmmaTile | None:
-    """The Hopper kernel's tile, or None where rung 4's kernels serve. The deterministic mode adds dQ from the
-    consumers: the writer warp's turns, each waiting for its reductions to complete, cost more than the atomics'
-    when the writer added rows (docs/notes.md, session eighteen; its boxes' turns are not measured yet). Where the keys are split and a step's queries are one block of 64 (d128),
-    the next step's S^T runs under those atomics (+4% at d128; the same order cost d64's 128 queries 1-2%:
-    notes.md, session twenty)."""
+    """The Hopper kernel's tile, or None where rung 4's kernels serve. In the deterministic mode the writer warp
+    keeps the dQ tiles' turns where it has two staged tiles (d128): the consumers stage the next step's while it
+    waits for a turn and for its reductions to complete (1-2% faster than the consumers' atomics; docs/notes.md,
+    session twenty-seven). With one staged tile (d64) the consumers would wait for it every step, and the
+    atomics, with a turn keeper warp where the keys are split, are faster (3%). Where a step's queries are one
+    block of 64, the next step's S^T runs under those atomics (+4% at d128 in session twenty)."""
     if arch != "sm_90a" or score_mods or d != dv:
         return None
     tile = BWD_WGMMA_TILES.get(d)
-    if tile is None or not deterministic:
+    if tile is None or not deterministic or (tile.dq_writer and tile.dq_buffers > 1):
         return tile
     split_keys = tile.block_n == 2 * WGMMA_M
     return replace(tile, dq_writer=False, dq_turns=False, dq_buffers=1, dq_boxes=False,
