@@ -99,7 +99,6 @@ def test_deterministic_backward_is_bitwise_repeatable(features, heads, head_dim)
     assert compare_grads(q, k, v, dout, first, **features).ok
 
 
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_deterministic_varlen_backward_is_bitwise_repeatable(head_dim, causal):
@@ -122,6 +121,7 @@ def test_deterministic_varlen_backward_is_bitwise_repeatable(head_dim, causal):
         return varlen_apply(lambda *a, **o: attention_ref(*a, dtype=dtype, **o), q, k, v, cu, cu, **kw)
 
     assert compare_grads(q, k, v, dout, first, fn=packed_ref, causal=causal).ok
+
 
 def test_a_cuda_graph_captures_and_replays_a_training_step():
     torch.manual_seed(0)
