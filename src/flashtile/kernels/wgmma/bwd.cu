@@ -95,8 +95,8 @@ constexpr int kAddsIssuedBarrier = 3; // the consumers have issued their atomics
 #ifndef FT_DQ_TURNS
 #define FT_DQ_TURNS 0
 #endif
-// dQ of a step by one consumer warpgroup alone, the two taking turns (with the writer, keys split, dQ split by
-// columns): warpgroup step % 2 computes dQ = dS K over the whole head dim from the dS^T buffer of its own index,
+// dQ of a step by one consumer warpgroup alone, the two taking turns (with the writer and the keys split):
+// warpgroup step % 2 computes dQ = dS K over the whole head dim from the dS^T buffer of its own index,
 // so dS^T and K are read once a step instead of once per warpgroup, and the other warpgroup goes on to its next
 // step instead of meeting the first.
 constexpr bool kDqTurns = FT_DQ_TURNS;
