@@ -632,6 +632,10 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
             if (kDqTurns && group != dq_group_of(step))  // dQ's product two steps ago has read the buffer
                 named_barrier_sync(kDsEmptyBarrier + buffer, kConsumerThreads);
             store_fragments(ds_tile, ds16, key0 + row_in_group, 2 * t);
+            if (kDqTurns && group != dq_group_of(step)) {  // hand dS^T over while dV and dK run on
+                fence_proxy_async();
+                named_barrier_arrive(kDsFullBarrier + buffer, kConsumerThreads);
+            }
             wgmma_wait<0>();
             fence_operands(dv);
             fence_operands(dk);
@@ -663,10 +667,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
             // The other warpgroup hands its dS^T rows over and goes on; dQ's warpgroup computes dQ = dS K over
             // all 128 keys and the whole head dim, hands the buffer back, and stages dQ for the writer.
             const int buffer_group = dq_group_of(step);
-            if (group != buffer_group) {
-                named_barrier_arrive(kDsFullBarrier + buffer, kConsumerThreads);
-                return;
-            }
+            if (group != buffer_group) return;
             named_barrier_sync(kDsFullBarrier + buffer, kConsumerThreads);
             float dq[kDqAccumulators];
             issue_dq(dq, ds_buffer, k_smem);
