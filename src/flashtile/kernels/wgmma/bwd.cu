@@ -664,8 +664,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         }
         fence_proxy_async();
         if constexpr (kDqTurns) {
-            // The other warpgroup hands its dS^T rows over and goes on; dQ's warpgroup computes dQ = dS K over
-            // all 128 keys and the whole head dim, hands the buffer back, and stages dQ for the writer.
+            // The other warpgroup has handed its dS^T rows over (above) and goes on; dQ's warpgroup computes
+            // dQ = dS K over all 128 keys and the whole head dim, hands the buffer back, and stages dQ for the writer.
             const int buffer_group = dq_group_of(step);
             if (group != buffer_group) return;
             named_barrier_sync(kDsFullBarrier + buffer, kConsumerThreads);
