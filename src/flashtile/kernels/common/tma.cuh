@@ -73,9 +73,16 @@ __device__ __forceinline__ void tma_reduce_add_2d(const TensorMap* map, u32 src,
                  :: "l"(map), "r"(c0), "r"(c1), "r"(src) : "memory");
 }
 
+// Orders this thread's copies through a map after its completion by a thread of the block (the completing
+// thread's release, then a barrier of the two).
+__device__ __forceinline__ void tensormap_acquire(const TensorMap* slot) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.cta [%0], 128;" :: "l"(slot) : "memory");
+}
+
 // A map whose address and outer extent are known only on the device: copy a template encoded on the host (any
 // address) into `slot` (global memory, 64-byte aligned, this block's alone), give it `address` and `rows` (its
-// dimension 1), and make the result visible to this thread's later copies through it (sm_90a). One thread.
+// dimension 1), and make the result visible to this thread's later copies through it (sm_90a), and to another
+// thread's of the block after a barrier and its tensormap_acquire. One thread.
 __device__ __forceinline__ void tensormap_complete(TensorMap* slot, const TensorMap& from, const void* address,
                                                    u32 rows) {
 #pragma unroll
@@ -85,7 +92,7 @@ __device__ __forceinline__ void tensormap_complete(TensorMap* slot, const Tensor
     asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], 1, %1;" :: "l"(slot), "r"(rows)
                  : "memory");
     asm volatile("fence.proxy.tensormap::generic.release.cta;" ::: "memory");
-    asm volatile("fence.proxy.tensormap::generic.acquire.cta [%0], 128;" :: "l"(slot) : "memory");
+    tensormap_acquire(slot);
 }
 
 // Closes this thread's group of bulk operations (stores and reductions from shared memory) issued since the last.

@@ -76,6 +76,10 @@ constexpr int kWriterWarp = 1;      // the writer, or the turn keeper
 // of a fragment's float2 stores start 4 banks apart (every row stays 16-byte aligned for its bulk reduction); two
 // padded buffers do not fit beside the d128 tiles, so two buffers take the boxes below (no padding, no conflicts).
 constexpr int kDqBuffers = FT_DQ_BUFFERS;
+// One writer warp per staging buffer, each adding the tiles of its own buffer (every other step with two): one
+// tile's adds complete, and in deterministic mode its turn passes on, while the other writer adds the next tile.
+constexpr int kDqWriters = kDqBuffers;
+static_assert(kWriterWarp + kDqWriters <= kWarpgroupWarps, "the writers are the producer warpgroup's warps");
 #ifndef FT_DQ_BOXES
 #define FT_DQ_BOXES 0
 #endif
@@ -145,7 +149,8 @@ constexpr int kScoreBuffers = 2;
 // dQ by one warpgroup: the handoff of each dS^T buffer between the warpgroups.
 constexpr int kDsFullBarrier = kDqEmptyBarrier + kDqBuffers;      // + buffer: the other warpgroup's rows are stored
 constexpr int kDsEmptyBarrier = kDsFullBarrier + kScoreBuffers;   // + buffer: dQ's product has read the buffer
-static_assert(kDsEmptyBarrier + kScoreBuffers <= 16, "a block has 16 named barriers");
+constexpr int kDqMapBarrier = kDsEmptyBarrier + kScoreBuffers;  // the first writer has completed the dQ map
+static_assert(kDqMapBarrier < 16, "a block has 16 named barriers");
 template <bool kShared> struct ProbabilityTile { elem_t p[kScoreBuffers][DsTile::kElems]; };
 template <> struct ProbabilityTile<false> { static constexpr elem_t (*p)[DsTile::kElems] = nullptr; };
 
@@ -280,21 +285,21 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, u32 src, u32 bytes) 
 // Orders this thread's generic accesses to global memory with the async proxy's (the bulk reductions).
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
-// The writer warp: for each step, once the consumers have staged the tile's dQ, each lane adds whole rows of it
-// to the fp32 accumulator with bulk reductions (rows past the sequence are not added), or with kDqBoxes lane 0
-// adds every box through `dq_map`, and hands the staging buffer back as soon as the reductions have read it.
+// A writer warp: for each of its steps (those of its buffer), once the consumers have staged the tile's dQ, each
+// lane adds whole rows of it to the fp32 accumulator with bulk reductions (rows past the sequence are not added),
+// or with kDqBoxes lane 0 adds every box through `dq_map`, and hands the buffer back as soon as the reductions have
+// read it.
 // Deterministic mode: lane 0 waits for the tile's turn before the adds and passes it on once they have completed
 // (bulk reductions are the async proxy's writes: a proxy fence orders them before the release).
 __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, const Problem& pr0, int b, int h_first,
                                       int n_block, int steps, int m_tiles, int m_hi, u32 stage, const TensorMap* dq_map,
-                                      int lane) {
+                                      int writer, int lane) {
     constexpr u32 kRowBytes = kHeadDim * sizeof(float), kStageRowBytes = kDqStageStride * sizeof(float);
     constexpr u32 kBufferBytes = kBlockM * kStageRowBytes, kBoxBytes = kBlockM * kDqBoxCols * sizeof(float);
-    for (int buffer = 0; buffer < min(steps, kDqBuffers); ++buffer)  // the buffers start free
-        named_barrier_arrive(kDqEmptyBarrier + buffer, kDqHandoffThreads);
+    const int buffer = writer;
+    if (writer < steps) named_barrier_arrive(kDqEmptyBarrier + buffer, kDqHandoffThreads);  // the buffer starts free
 #pragma unroll 1
-    for (int step = 0; step < steps; ++step) {
-        const int buffer = step % kDqBuffers;
+    for (int step = writer; step < steps; step += kDqWriters) {
         const int head = h_first + step / m_tiles, m_tile = m_hi - 1 - step % m_tiles, m0 = m_tile * kBlockM;
         const DqTurn turn(p, mask, b, head, m_tile, m0, n_block, lane == 0);
         if (turn.turn != nullptr) {  // the other lanes wait for lane 0's turn, the adds come after its acquire
@@ -329,15 +334,21 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
     }
 }
 
-// The writer's map of the accumulator where it adds boxes (none otherwise): this block's copy of the template, in
-// the scratch the plan leaves after the accumulator (a 128-byte slot per block), completed by lane 0 with the
-// accumulator's address and rows; those are the LSE's rows, and D lies just before the LSE in the scratch.
-__device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams&, const BwdMaps&, int) { return nullptr; }
-__device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams& p, const BwdMapsDq& maps, int lane) {
+// The writers' map of the accumulator where they add boxes (none otherwise): this block's copy of the template,
+// in the scratch the plan leaves after the accumulator (a 128-byte slot per block), completed by the first writer's
+// lane 0 with the accumulator's address and rows (those are the LSE's rows, and D lies just before the LSE in the
+// scratch); the other writers' lanes 0 acquire it after a barrier of the writers.
+__device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams&, const BwdMaps&, int, int) { return nullptr; }
+__device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams& p, const BwdMapsDq& maps, int writer,
+                                                      int lane) {
     const u32 accum_rows = (u32)(p.lse_log2 - p.dsum);
     const u32 block_index = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     TensorMap* slot = reinterpret_cast<TensorMap*>(p.dq_accum + (i64)accum_rows * kHeadDim) + block_index;
-    if (lane == 0) tensormap_complete(slot, maps.dq_template, p.dq_accum, accum_rows);
+    if (writer == 0 && lane == 0) tensormap_complete(slot, maps.dq_template, p.dq_accum, accum_rows);
+    if constexpr (kDqWriters > 1) {
+        named_barrier_sync(kDqMapBarrier, kDqWriters * kWarpSize);
+        if (writer != 0 && lane == 0) tensormap_acquire(slot);
+    }
     return slot;
 }
 
@@ -409,9 +420,10 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         // Producer: K and V once, then each step's Q and dO by the copy engine and its rows' LSE (base 2) and D by
         // the warp's lanes (rows past the sequence read as zeros), into the ring as soon as a stage is free.
         setmaxnreg_dec<kProducerRegisters>();
-        if (kDqWriter && warp == kWriterWarp) {
+        if (kDqWriter && warp >= kWriterWarp && warp < kWriterWarp + kDqWriters) {
+            const int writer = warp - kWriterWarp;
             write_dq(p, mask, pr0, b, h_first, n_block, steps, m_tiles, m_hi, smem_addr(smem.dq_stage[0]),
-                     dq_map_of(p, maps, lane), lane);
+                     dq_map_of(p, maps, writer, lane), writer, lane);
             return;
         }
         if (kTurnKeeper && warp == kWriterWarp) {
