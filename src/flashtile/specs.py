@@ -602,11 +602,11 @@ class BwdWgmmaTile:
     stages: int
     why: str
     warps: int = 12  # a producer warpgroup and two consumer warpgroups
-    dq_writer: bool = False  # dQ staged in shared memory and added by the producer warpgroup's second warp
+    dq_writer: bool = False  # dQ staged in shared memory and added by writer warps of the producer warpgroup
     scores_ahead: bool = False  # a step's S^T issued by the step before, behind its dQ product (keys split)
     turn_keeper: bool = False  # deterministic mode: the producer warpgroup's second warp keeps dQ's turns
     dq_turns: bool = False  # with the writer: dQ by one warpgroup a step, the two in turns
-    dq_buffers: int = 1  # staged dQ tiles of boxes (2: the next is staged while the writer adds the last)
+    dq_buffers: int = 1  # staged dQ tiles of boxes, a writer warp each (2: one adds a tile, the other the next)
     dq_boxes: bool = False  # with the writer: dQ staged as boxes of 8 columns, added by tensor-map reductions
 
 
@@ -616,7 +616,7 @@ BWD_WGMMA_TILES = {
                                   "consumers' atomics, which made the writer's row reductions slower here",
                      dq_writer=True, dq_boxes=True),
     128: BwdWgmmaTile(64, 128, 2, "keys split; dQ by one warpgroup a step, the two in turns, over two staged tiles "
-                                  "of boxes the writer warp adds by tensor-map reductions; S^T, dP^T 32 and dK, dV "
+                                  "of boxes two writer warps add by tensor-map reductions; S^T, dP^T 32 and dK, dV "
                                   "64 registers each; 226 KB. Faster than dQ split by columns or rows reduced",
                       dq_writer=True, dq_turns=True, dq_buffers=2, dq_boxes=True),
     256: BwdWgmmaTile(64, 64, 2, "columns split: 64 keys shared by both warpgroups, each with half of dK, dV and dQ "
@@ -642,12 +642,12 @@ DQ_WRITER_PRODUCER_REGISTERS = 32
 
 def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
                    deterministic: bool = False) -> BwdWgmmaTile | None:
-    """The Hopper kernel's tile, or None where rung 4's kernels serve. In the deterministic mode the writer warp
-    keeps the dQ tiles' turns where it has two staged tiles (d128): the consumers stage the next step's while it
-    waits for a turn and for its reductions to complete (1-2% faster than the consumers' atomics; docs/notes.md,
-    session twenty-seven). With one staged tile (d64) the consumers would wait for it every step, and the
-    atomics, with a turn keeper warp where the keys are split, are faster (3%). Where a step's queries are one
-    block of 64, the next step's S^T runs under those atomics (+4% at d128 in session twenty)."""
+    """The Hopper kernel's tile, or None where rung 4's kernels serve. In the deterministic mode the writer warps
+    keep the dQ tiles' turns where there are two staged tiles (d128), one writer per tile: one tile's reductions
+    complete and its turn passes while the other writer adds the next tile (docs/notes.md, sessions twenty-seven
+    and twenty-eight). With one staged tile (d64) the consumers would wait for the writer every step, and the
+    atomics, with a turn keeper warp where the keys are split, are faster. Where a step's queries are one block
+    of 64, the next step's S^T runs under those atomics (session twenty)."""
     if arch != "sm_90a" or score_mods or d != dv:
         return None
     tile = BWD_WGMMA_TILES.get(d)

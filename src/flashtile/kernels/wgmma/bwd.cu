@@ -49,9 +49,9 @@ constexpr int kConsumerBarrier = 1;  // named barrier of the consumers alone (0 
 #ifndef FT_DQ_WRITER
 #define FT_DQ_WRITER 0
 #endif
-// dQ leaves through a writer warp (the producer warpgroup's second): the consumers stage their fp32 pieces in
-// shared memory and the writer adds the tile's rows to the accumulator with bulk reductions; otherwise the
-// consumers add their pieces with atomics. specs.py BWD_WGMMA_TILES says where.
+// dQ leaves through writer warps (the producer warpgroup's second, and its third with two staged tiles): the
+// consumers stage their fp32 pieces in shared memory and a writer adds the tile to the accumulator with bulk
+// reductions; otherwise the consumers add their pieces with atomics. specs.py BWD_WGMMA_TILES says where.
 constexpr bool kDqWriter = FT_DQ_WRITER;
 #ifndef FT_SCORES_AHEAD
 #define FT_SCORES_AHEAD 0
@@ -67,7 +67,7 @@ constexpr bool kScoresAhead = FT_SCORES_AHEAD;
 // consumer waits for the release's fence. specs.py says where.
 constexpr bool kTurnKeeper = FT_TURN_KEEPER;
 static_assert(!(kDqWriter && kTurnKeeper), "the writer warp keeps its own turns");
-constexpr int kWriterWarp = 1;      // the writer, or the turn keeper
+constexpr int kWriterWarp = 1;      // the first writer, or the turn keeper
 #ifndef FT_DQ_BUFFERS
 #define FT_DQ_BUFFERS 1
 #endif
