@@ -3,10 +3,12 @@ each here), a writer-free copy of the turns' handovers (dS^T full: bar.arrive by
 bar.sync by the other; dS^T empty: the reverse), then the epilogue: bar.sync 1 (both groups), every thread
 stores its part of a tile, bar.sync 1, every thread reads another thread's part. Correct by the PTX model.
 
-    compute-sanitizer --tool racecheck python3 scripts/racecheck_turns.py STEPS [BLOCKS]
+    compute-sanitizer --tool racecheck python3 scripts/racecheck_turns.py STEPS [BLOCKS [sync]]
 
-A hazard reported here, where nothing else runs, is the tool's reading of the handovers, not a race
-(docs/notes.md, session twenty-seven).
+`sync`: the group that stores dS^T hands it over with bar.sync instead of bar.arrive (the control: both sides
+wait). A hazard reported here, where nothing else runs, is the tool's reading of the handovers, not a race
+(docs/notes.md, sessions twenty-seven and twenty-eight: with bar.arrive, 1 to 3 steps report the dS^T store
+against the other group's load).
 """
 import sys
 
@@ -18,7 +20,7 @@ constexpr int kConsumerBarrier = 1, kDsFull = 6, kDsEmpty = 8;
 __device__ void arrive(int id) { asm volatile("bar.arrive %0, %1;" :: "r"(id), "n"(kThreads) : "memory"); }
 __device__ void sync(int id) { asm volatile("bar.sync %0, %1;" :: "r"(id), "n"(kThreads) : "memory"); }
 
-extern "C" __global__ void turns(float* out, int steps) {
+extern "C" __global__ void turns(float* out, int steps, int sync_handover) {
     __shared__ __align__(16) float ds[2][kGroupThreads];
     __shared__ __align__(16) float tile[kTile];
     const int group = threadIdx.x / kGroupThreads, lane = threadIdx.x % kGroupThreads;
@@ -31,7 +33,8 @@ extern "C" __global__ void turns(float* out, int steps) {
         if (group != dq_group) {
             sync(kDsEmpty + buffer);
             ds[buffer][lane] = acc;
-            arrive(kDsFull + buffer);
+            if (sync_handover) sync(kDsFull + buffer);
+            else arrive(kDsFull + buffer);
             continue;
         }
         sync(kDsFull + buffer);
@@ -51,11 +54,12 @@ extern "C" __global__ void turns(float* out, int steps) {
 def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     blocks = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    sync_handover = len(sys.argv) > 3 and sys.argv[3] == "sync"
     kernel = cupy.RawKernel(SOURCE, "turns", options=("-arch=sm_90a", "-std=c++17"))
     out = cupy.zeros(blocks * 64, dtype=cupy.float32)
-    kernel((blocks,), (64,), (out, cupy.int32(steps)))
+    kernel((blocks,), (64,), (out, cupy.int32(steps), cupy.int32(sync_handover)))
     cupy.cuda.runtime.deviceSynchronize()
-    print("steps", steps, "blocks", blocks, "ran; out[0]", float(out[0]))
+    print("steps", steps, "blocks", blocks, "sync" if sync_handover else "arrive", "ran; out[0]", float(out[0]))
 
 
 if __name__ == "__main__":
