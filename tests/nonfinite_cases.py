@@ -19,6 +19,8 @@ SETUPS = {
     "blind-rows-alibi": dict(shape=(1, 40, 24, 2, 1, 8), options={"causal": True, "softcap": 5.0, "alibi": True}),
     # first 16 rows see no key, GQA, nothing else: host.cpp's own kernel serves it (not square under a causal mask)
     "blind-rows-gqa": dict(shape=(1, 40, 24, 4, 2, 8), options={"causal": True}),
+    # causal, square, GQA, past the own kernel's limits: torch's kernel serves it (host.cpp checks q by its LSE)
+    "square-torch": dict(shape=(1, 300, 300, 4, 2, 16), options={"causal": True}),
     # decoding: 3 queries of 4 heads over 1100 keys of one kv head, causal: host.cpp's decode path, its keys split
     # in parts; the poisoned key is seen by the last query alone, the poisoned value by the last two
     "decode-gqa": dict(shape=(1, 3, 1100, 4, 1, 8), options={"causal": True},

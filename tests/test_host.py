@@ -2,7 +2,9 @@
 
 import contextlib
 import itertools
+import math
 import os
+import random
 import subprocess
 import sys
 import types
@@ -434,16 +436,19 @@ def test_the_own_kernel_leaves_to_torchs_kernel_what_it_measured_slower_at(monke
     assert module.own_decode_serves(*bf16, False) and not module.own_decode_serves(bf16[0].float(), *bf16[1:], False)
 
 
-OWN_NONFINITE_CASES = [(setup, poison) for setup, poison in NONFINITE_CASES
-                       if setup in ("causal-gqa", "blind-rows-gqa", "decode-gqa")]
+OWN_SETUPS = ("causal-gqa", "blind-rows-gqa", "decode-gqa")
+KERNEL_NONFINITE_CASES = [(setup, poison) for setup, poison in NONFINITE_CASES
+                          if setup in OWN_SETUPS or setup == "square-torch"]
 
 
 @needs_build
-@pytest.mark.parametrize("case", OWN_NONFINITE_CASES, ids=[case_id(c) for c in OWN_NONFINITE_CASES])
-def test_the_own_kernel_poisons_exactly_the_rows_and_gradients_the_rule_names(monkeypatch, case):
-    """reference.py's NaN rule on the own kernel, with no finite check before it: NaN in exactly the outputs, LSEs
-    and gradients that read a NaN or Inf (tests/nonfinite_cases.py), the rest within fp32 tolerance of the fp64
-    reference on the clean inputs; rows that see no key stay 0 with LSE -inf."""
+@pytest.mark.parametrize("case", KERNEL_NONFINITE_CASES, ids=[case_id(c) for c in KERNEL_NONFINITE_CASES])
+def test_the_cpu_kernels_poison_exactly_the_rows_and_gradients_the_rule_names(monkeypatch, case):
+    """reference.py's NaN rule through the C++ kernel call: the own kernel takes non-finite inputs itself (no check
+    before it); torch's kernel (square-torch) must hand them to the Python path, q found by its LSE and k, v by a
+    scan, in training, without grad and with the LSE returned. NaN in exactly the outputs, LSEs and gradients that
+    read a NaN or Inf (tests/nonfinite_cases.py), the rest within fp32 tolerance of the fp64 reference on the clean
+    inputs; rows that see no key stay 0 with LSE -inf."""
     from flashtile.testing import reference_grads
     from flashtile.reference import attention_ref
 
@@ -451,20 +456,27 @@ def test_the_own_kernel_poisons_exactly_the_rows_and_gradients_the_rule_names(mo
     setup, poison = case
     (q, k, v, clean_options), (pq, pk, pv, options), dout = make(setup, poison)
     leaves = [t.requires_grad_() for t in (pq, pk, pv)]
-    assert host.extension().own_kernel_serves(*leaves, bool(options.get("causal")))
+    own = setup in OWN_SETUPS
+    assert host.extension().own_kernel_serves(*leaves, bool(options.get("causal"))) == own
     api.clear_calls()
+    clean_out = flashtile.attention(*[t.clone().requires_grad_() for t in (q, k, v)], **clean_options)
+    assert clean_out.grad_fn.name() == "flashtile::CpuAttentionBackward"  # the kernel takes clean inputs
     out = flashtile.attention(*leaves, **options)
-    assert out.grad_fn.name() == "flashtile::CpuAttentionBackward"
+    assert (out.grad_fn.name() == "flashtile::CpuAttentionBackward") == own
     grads = torch.autograd.grad(out, leaves, dout)
     with torch.no_grad():
         _, lse = flashtile.attention(*leaves, return_lse=True, **options)
+    out_lse, lse_lse = flashtile.attention(*leaves, return_lse=True, **options)
+    lse_grads = torch.autograd.grad(out_lse, leaves, dout)  # ops.Attention's backward: the LSE unused
     want_out, want_lse = attention_ref(q, k, v, **clean_options)
     want_grads = reference_grads(attention_ref, q, k, v, dout, torch.float64, **clean_options)
     nan = expected_nan(setup, poison)
     check("out", out.detach(), want_out, nan["out"], atol=1e-5)
     check("lse", lse, want_lse, nan["lse"], atol=1e-5)
-    for name, grad, want in zip(("dq", "dk", "dv"), grads, want_grads):
+    check("lse with grad", lse_lse.detach(), want_lse, nan["lse"], atol=1e-5)
+    for name, grad, lse_grad, want in zip(("dq", "dk", "dv"), grads, lse_grads, want_grads):
         check(name, grad, want, nan[name], atol=1e-4)
+        check(name, lse_grad, want, nan[name], atol=1e-4)
     blind = blind_rows(setup)
     assert (out.detach().transpose(1, 2)[blind] == 0).all() and torch.isneginf(lse[blind]).all()
 
@@ -707,6 +719,37 @@ def test_nonfinite_inputs_where_rows_of_four_and_eight_transpose_the_tile_get_th
         _check_poisoned_decode_case(module, rng, (batch, seqlen_q, heads_kv, group, seqlen_k, head_dim), causal, dtype)
 
 
+def test_torchs_kernel_shows_every_row_that_reads_a_nonfinite_query_in_its_lse():
+    """What host.cpp's rows_finite relies on, probed on the torch installed: with finite k and v, a row whose
+    query holds a NaN or an Inf (one element or all) gets a NaN or infinite LSE from torch's CPU kernel, or the
+    LSE of a masked-out row, exactly 0 (no row of a square problem is masked out). Random shapes, dtypes, scales
+    and masks; keys with zero columns (Inf times 0 is NaN); rows past the kernel's blocks."""
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    rng = random.Random(11)
+    g = torch.Generator().manual_seed(11)
+    shown = 0
+    for _ in range(150):
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16, torch.float64])
+        batch, heads_kv, group = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 4])
+        seqlen, head_dim, causal = rng.choice([1, 17, 129, 300]), rng.choice([8, 64, 80]), rng.random() < 0.5
+        q = torch.randn(batch, heads_kv * group, seqlen, head_dim, generator=g).to(dtype)
+        k, v = (torch.randn(batch, heads_kv, seqlen, head_dim, generator=g).to(dtype) for _ in range(2))
+        if rng.random() < 0.3:
+            k[..., rng.randrange(head_dim)] = 0
+        rows = []
+        for _ in range(rng.choice([1, 3])):
+            row = rng.randrange(batch), rng.randrange(heads_kv * group), rng.randrange(seqlen)
+            column = rng.randrange(head_dim) if rng.random() < 0.8 else slice(None)
+            q[row][column] = rng.choice([math.nan, math.inf, -math.inf])
+            rows.append(row)
+        _, lse = kernel(q, k, v, 0.0, causal, scale=rng.choice([None, 1e-3, 1.0]))[:2]
+        for row in rows:
+            value = lse[row].item()
+            assert not math.isfinite(value) or value == 0.0, (dtype, q.shape, causal, row, value)
+            shown += value == 0.0
+    assert shown > 0  # the masked-out case happens, so the test reaches both branches
+
+
 @needs_build
 def test_the_extensions_finite_check_finds_every_nonfinite_kind(monkeypatch):
     """host.cpp's check: a bit scan of contiguous tensors (in chunks of 2^18 elements for 16-bit ones past that),
@@ -718,16 +761,16 @@ def test_the_extensions_finite_check_finds_every_nonfinite_kind(monkeypatch):
     for dtype, numel in itertools.product((torch.float32, torch.float64, torch.bfloat16, torch.float16),
                                           (100, 7000, chunk + 5000)):
         x = torch.randn(numel).to(dtype)
-        assert module.all_finite(x, x[::2], x.view(-1, 100 if numel % 100 == 0 else 1).t())
+        assert all(module.finite(t) for t in (x, x[::2], x.view(-1, 100 if numel % 100 == 0 else 1).t()))
         for at in sorted({0, min(chunk - 1, numel - 1), min(chunk, numel - 1), numel - 1}):
             for bad in (float("nan"), -float("nan"), float("inf"), float("-inf")):
                 y = x.clone()
                 y[at] = bad
-                assert not module.all_finite(x, x, y), (dtype, numel, at, bad)
-                assert not module.all_finite(y[::2] if at % 2 == 0 else y[1::2], x, x), (dtype, numel, at, bad)
+                assert not module.finite(y), (dtype, numel, at, bad)
+                assert not module.finite(y[::2] if at % 2 == 0 else y[1::2]), (dtype, numel, at, bad)
         info = torch.finfo(dtype)
         extremes = torch.tensor([info.max, -info.max, info.tiny, info.tiny / 4, -info.tiny / 4, 0.0, -0.0], dtype=dtype)
-        assert module.all_finite(extremes, x, x)
+        assert module.finite(extremes)
 
 
 # ---- The extension's kept calls (a repeated call found and run in one crossing) --------------------------------------

@@ -505,8 +505,25 @@ bool finite(const at::Tensor& t) {
   return ok;
 }
 
-bool all_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  return finite(q) && finite(k) && finite(v);
+// Whether torch's kernel computed every row from a finite query, judged by its LSE (fp32, any layout of dense
+// memory) instead of a scan of q, which is LSE's head dim times larger. With k finite, a NaN or Inf anywhere in a
+// query row makes every score of that row NaN or infinite, and the kernel then gives that row a NaN or infinite
+// LSE, or treats the row as masked out: max 0, sum 1, LSE exactly 0 (tests/test_host.py probes this on the torch
+// installed). A square problem has no masked-out row, so every LSE must be finite and not 0. A row whose true LSE
+// is 0, or one whose scores overflow, is only a false alarm: the caller then takes the Python path.
+bool rows_finite(const at::Tensor& lse) {
+  const at::Tensor dense = lse.dim() == 3 && !lse.is_contiguous() ? lse.transpose(1, 2) : lse;
+  if (lse.scalar_type() != at::kFloat || !dense.is_contiguous()) {
+    return at::logical_and(at::isfinite(lse), at::ne(lse, 0)).all().item().toBool();
+  }
+  const auto* bits = static_cast<const uint32_t*>(dense.const_data_ptr());
+  uint32_t smallest = 0x7fffffffu, largest = 0;
+  for (int64_t i = 0; i < dense.numel(); ++i) {
+    const uint32_t magnitude = bits[i] & 0x7fffffffu;
+    smallest = std::min(smallest, magnitude);
+    largest = std::max(largest, magnitude);
+  }
+  return smallest > 0 && largest < 0x7f800000u;
 }
 
 // ---- The CPU's own kernel for small problems -----------------------------------------------------------------
@@ -2246,12 +2263,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> own_backward(const at::Tensor& do
 // (the kernel writes that layout) and an fp32 (b, h_q, s_q) LSE laid out as the kernel writes it, over
 // (b, s_q, h_q) memory, which its backward reads as it is. None when an input holds a NaN or an Inf: the kernel's
 // outputs do not show them as flashtile's rules want (often not at all: a finite LSE for a row that read a NaN
-// in q), and the Python path applies the rules. So the inputs are checked, not the outputs.
+// in q), and the Python path applies the rules. So k and v are checked before the call; q by the LSE after it
+// (rows_finite), since a row that read a non-finite query always shows there.
 std::optional<std::tuple<at::Tensor, at::Tensor>> kernel_forward(const at::Tensor& q, const at::Tensor& k,
                                                                  const at::Tensor& v, double scale, bool causal) {
   if (own_kernel_serves(q, k, v, causal)) return own_forward(q, k, v, scale, causal);
   require(!causal || q.size(1) == k.size(1), "flashtile: torch's CPU kernel masks square problems only");
-  if (!all_finite(q, k, v)) return std::nullopt;
+  if (!finite(k) || !finite(v)) return std::nullopt;
   // Below autograd's dispatch: nothing here is recorded (the callers switch gradients off), and a view or a
   // kernel then skips autograd's and the view tracker's layers. Safe because nothing here writes in place, and
   // the views only feed the kernel or a copy.
@@ -2259,6 +2277,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kernel_forward(const at::Tenso
   auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q.transpose(1, 2), k.transpose(1, 2),
                                                                      v.transpose(1, 2), 0.0, causal, std::nullopt,
                                                                      scale);
+  if (!rows_finite(lse)) return std::nullopt;
   return std::make_tuple(out.transpose(1, 2).contiguous(), lse.to(at::kFloat));
 }
 
@@ -2284,16 +2303,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(at::Tensor dout, 
   return {dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(), dv.transpose(1, 2).contiguous()};
 }
 
-// cpu_kernel.backward's square case, for ops.Attention's node: None when q, k or v is not finite (that node does
-// not know which path its forward took), or where the loss uses the LSE (dlse given), which torch's kernel has
-// no term for. The own kernel takes both.
+// cpu_kernel.backward's square case, for ops.Attention's node: None when k or v is not finite or the forward's LSE
+// shows a row that read a non-finite query (that node does not know which path its forward took: the Python path
+// gives such a row a NaN LSE, torch's kernel never served it), or where the loss uses the LSE (dlse given), which
+// torch's kernel has no term for. The own kernel takes both.
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> cpu_backward(
     at::Tensor dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, std::optional<at::Tensor> dlse, double scale, bool causal) {
   if (own_kernel_serves(q, k, v, causal)) {
     return own_backward(dout, q, k, v, out, lse, dlse ? *dlse : at::Tensor(), scale, causal);
   }
-  if (dlse || !all_finite(q, k, v)) return std::nullopt;
+  if (dlse || !finite(k) || !finite(v) || !rows_finite(lse)) return std::nullopt;
   return kernel_backward(std::move(dout), q, k, v, out, lse, scale, causal);
 }
 
@@ -2459,7 +2479,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_forward", &cpu_forward);
   m.def("cpu_backward", &cpu_backward);
   m.def("cpu_train", &cpu_train);
-  m.def("all_finite", &all_finite);
+  m.def("finite", static_cast<bool (*)(const at::Tensor&)>(&finite));
+  m.def("rows_finite", &rows_finite);
   m.def("own_kernel_serves", &own_kernel_serves);
   m.def("own_small_serves", &own_small_serves);
   m.def("own_decode_serves", &own_decode_serves);
