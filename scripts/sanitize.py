@@ -21,6 +21,11 @@ if torch.cuda.get_device_capability() == (9, 0):
     q = torch.randn(2, 300, 4, 256, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 200, 2, 256, device="cuda", dtype=torch.bfloat16)
     flashtile.attention(q, k, k, window_size=(70, 5), return_lse=True, rung="hopper")
+    # The tail split (d128, no mask): one unit past the blocks' round, 24 key tiles shared out in runs of one.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q = torch.randn(1, 128, sms + 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 3000, sms + 1, 128, device="cuda", dtype=torch.bfloat16)
+    flashtile.attention(q, k, k, return_lse=True, rung="hopper")
 for d, dv in ((96, 96), (192, 128), (256, 256)):
     q = torch.randn(1, 70, 4, d, device="cuda", dtype=torch.float16)
     k = torch.randn(1, 90, 4, d, device="cuda", dtype=torch.float16)

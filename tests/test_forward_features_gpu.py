@@ -138,6 +138,49 @@ def test_hopper_blocks_that_run_many_tiles(d, causal, sq, sk, poisoned_outputs):
     assert result.ok, result
 
 
+def _tail_split_heads(sq, sk, crossing):
+    """Heads (batch 1, d128) for which rung 5's plan shares the last round out by key tiles on this GPU, with runs
+    that end inside a unit (`crossing`) or not."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tile = specs.HOPPER_FWD_TILES[128]
+    m_blocks, unit_tiles = -(-sq // tile.block_m), -(-sk // tile.block_n)
+    for heads in range(1, 64):
+        split = specs.hopper_tail_split(m_blocks * heads, min(m_blocks * heads, sms), unit_tiles, tile.consumers, 128)
+        if split is not None and (unit_tiles % split.run != 0) == crossing:
+            return heads
+    raise AssertionError(f"no head count splits {sq}x{sk} on {sms} SMs")
+
+
+@pytest.mark.parametrize("sq,sk,crossing,kv_group", [(2048, 2048, False, 1), (2048, 2500, True, 1),
+                                                     (1900, 2000, False, 1), (1000, 3000, True, 0)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_hopper_tail_split(sq, sk, crossing, kv_group, dtype, poisoned_outputs):
+    """Rung 5 without a mask where the units past the blocks' last full round are shared out by key tiles: pieces
+    of one or several key tiles, runs that cross into the next unit, rows past the sequence (sq not a multiple of
+    the block), a partly masked last key tile, MQA (kv_group 0: one K/V head). Each split unit's pieces merge in
+    block order: a second call gives the same bits. A NaN key in the last head (a tail unit) makes that head's
+    rows NaN, output and LSE, and leaves the other heads exact."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("rung 'hopper' runs on sm_90a")
+    torch.manual_seed(sq + sk)
+    hq = _tail_split_heads(sq, sk, crossing)
+    hkv = hq if kv_group else 1
+    q = torch.randn(1, sq, hq, 128, device="cuda", dtype=dtype)
+    k = torch.randn(1, sk, hkv, 128, device="cuda", dtype=dtype)
+    v = torch.randn(1, sk, hkv, 128, device="cuda", dtype=dtype)
+    out, lse = flashtile.attention(q, k, v, return_lse=True, rung="hopper")
+    result = compare(q, k, v, out, lse)
+    assert result.ok, result
+    again, lse_again = flashtile.attention(q, k, v, return_lse=True, rung="hopper")
+    assert torch.equal(out, again) and torch.equal(lse, lse_again)
+    if kv_group:
+        k[0, sk // 3, -1, 5] = float("nan")
+        out, lse = flashtile.attention(q, k, v, return_lse=True, rung="hopper")
+        assert out[:, :, -1].isnan().all() and lse[:, -1].isnan().all()
+        result = compare(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], out[:, :, :-1], lse[:, :-1])
+        assert result.ok, result
+
+
 def test_more_than_2_to_the_31_elements(poisoned_outputs):
     """q and out hold > 2^31 elements: every offset must be 64-bit."""
     sq, hq, d = (2**31 // (16 * 64)) + 1000, 16, 64

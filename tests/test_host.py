@@ -137,11 +137,11 @@ module = host.extension()
 assert host.build_dir().name in module.__file__
 backward = module.make_backward([(0, 1, 1, 1, 128, 0)], bytes(launch.BWD_PARAMS_STRUCT.size), 0,
                            launch.BWD_ADDRESS_OFFSET, [1, 2, 3, 4], 8, 64, 0, 1, 1, 1, 1, None)
-module.make_forward([(0, 1, 1, 1, 128, 0)], bytes(launch.PARAMS_STRUCT.size), 0, [], [1, 2, 3], None, False, False, backward)
+module.make_forward([(0, 1, 1, 1, 128, 0)], bytes(launch.PARAMS_STRUCT.size), 0, [], [1, 2, 3], None, False, False, backward, 0, 0)
 with pytest.raises(RuntimeError, match="params struct"):
-    module.make_forward([], bytes(4096), 0, [], [], None, False, False, None)
+    module.make_forward([], bytes(4096), 0, [], [], None, False, False, None, 0, 0)
 with pytest.raises(RuntimeError):
-    module.make_forward([("not a launch",)], bytes(8), 0, [], [], None, False, False, None)
+    module.make_forward([("not a launch",)], bytes(8), 0, [], [], None, False, False, None, 0, 0)
 print("built", module.__file__)
 """
     # A killed build leaves torch's marker behind, which torch alone would wait on forever.

@@ -301,3 +301,117 @@ def test_consumer_registers_of_the_tables_blocks():
     producer at 24; a producer at 32 leaves two consumers 232, not 240."""
     assert (specs.consumer_registers(2), specs.consumer_registers(3)) == (240, 160)
     assert specs.launch_registers(384) == 168 and specs.launch_registers(512) == 128
+
+
+def _schedule(m_blocks, heads, blocks, unit_tiles, run, paired=False):
+    """kernels/wgmma/fwd.cu's persistent schedule (`settle`, `work_of`, TailSplit) line for line, as the producer
+    walks it: per block, its tiles (unit, query block, first key tile, key tiles, place `at`), in order."""
+    unit_blocks = -(-m_blocks // 2) if paired else m_blocks
+    units = unit_blocks * heads
+    unit0 = units - units % blocks
+
+    def settle(b, at):
+        if at < 2 * units and (run == 0 or at // 2 - b + blocks <= units):
+            return at
+        if run == 0:
+            return -1
+        if at <= 2 * units:
+            at = 2 * units + b * run
+        return at if at - 2 * units < min((b + 1) * run, (units - unit0) * unit_tiles) else -1
+
+    def work_of(b, at):
+        if at < 2 * units:
+            unit, part = divmod(at, 2)
+            j = unit % unit_blocks
+            second = part == 0 and paired and 2 * j + 1 != m_blocks
+            query_block = m_blocks - 1 - j if part == 0 else j
+            return (unit, query_block, 0, unit_tiles), settle(b, at + 1 if second else 2 * min(unit + blocks, units))
+        t, end = at - 2 * units, min((b + 1) * run, (units - unit0) * unit_tiles)
+        u, first = divmod(t, unit_tiles)
+        count = min(end - t, unit_tiles - first)
+        return (unit0 + u, m_blocks - 1 - (unit0 + u) % unit_blocks, first, count), settle(b, at + count)
+
+    pieces = {}
+    for b in range(blocks):
+        mine, at = [], settle(b, 2 * b)
+        while at >= 0:
+            assert len(mine) <= 2 * units, "the schedule does not end"
+            piece, after = work_of(b, at)
+            mine.append((*piece, at))
+            assert after < 0 or after > at
+            at = after
+        pieces[b] = mine
+    return pieces
+
+
+@pytest.mark.parametrize("m_blocks,heads,blocks", [(16, 16, 132), (7, 3, 132), (8, 40, 132), (1, 5, 3), (33, 8, 7)])
+@pytest.mark.parametrize("paired", [False, True])
+def test_rung5_schedule_runs_every_work_tile_once(m_blocks, heads, blocks, paired):
+    """Without a tail split (a causal mask's paired units, or none): every query block of every head, once."""
+    units = (-(-m_blocks // 2) if paired else m_blocks) * heads
+    pieces = _schedule(m_blocks, heads, min(blocks, units), unit_tiles=4, run=0, paired=paired)
+    seen = sorted((unit // (units // heads), query_block) for mine in pieces.values()
+                  for unit, query_block, first, count, _ in mine)
+    assert seen == [(h, m) for h in range(heads) for m in range(m_blocks)]
+
+
+SPLITS = [(units, blocks, tiles) for blocks in (132, 7) for units in (140, 150, 263, 2048, 3 * blocks + 1)
+          for tiles in (16, 31, 128)]
+
+
+@pytest.mark.parametrize("units,blocks,unit_tiles", SPLITS)
+def test_rung5_tail_split_deals_every_tail_tile_once_into_its_own_slot(units, blocks, unit_tiles):
+    split = specs.hopper_tail_split(units, blocks, unit_tiles, consumers=2, dv=128)
+    tail = units % blocks
+    saved = unit_tiles - -(-tail * unit_tiles // blocks)
+    assert (split is not None) == (units > blocks and tail > 0 and saved >= specs.TAIL_SPLIT_MIN_SAVED_TILES)
+    if split is None:
+        return
+    pieces = _schedule(units, 1, blocks, unit_tiles, split.run)
+    unit0, run = units - tail, split.run
+    covered = [[0] * unit_tiles for _ in range(units)]
+    slots = {}
+    for b, mine in pieces.items():
+        shared = [(unit, first, count, at) for unit, _, first, count, at in mine if unit >= unit0]
+        assert sum(count for *_, count, _ in shared) <= run and len(shared) <= 2
+        for unit, _, first, count, _ in mine:
+            covered[unit][first:first + count] = [c + 1 for c in covered[unit][first:first + count]]
+        for unit, first, count, at in shared:
+            u = (at - 2 * units) // unit_tiles                                 # TailSplit::unit_at
+            assert u == unit - unit0
+            if u * unit_tiles // run != ((u + 1) * unit_tiles - 1) // run:    # first_block != last_block
+                slot = b if u * unit_tiles <= b * run else blocks + u          # TailSplit::slot
+                assert slot not in slots, "two pieces in one slot"
+                slots[slot] = (u, b)
+    assert all(c == 1 for row in covered for c in row), "a key tile dealt twice or never"
+    assert max(slots) < blocks + tail
+    for u in range(tail):  # TailSplit::first_block / last_block: the blocks the merge reads, in order
+        first, last = u * unit_tiles // run, ((u + 1) * unit_tiles - 1) // run
+        assert sorted(b for s, (uu, b) in slots.items() if uu == u) == list(range(first, last + 1))
+    thread_floats = 128 // 2 + specs.TAIL_SPLIT_GROUP_FLOATS
+    assert split.counter_floats == tail * 2
+    assert split.scratch_floats == (blocks + tail) * 2 * thread_floats * 128 + split.counter_floats
+
+
+def test_rung5_plan_takes_the_tail_split_only_without_a_mask_and_where_it_pays(monkeypatch):
+    monkeypatch.setattr(ladder, "sm_count", lambda device: 132)
+    tile = specs.HOPPER_FWD_TILES[128]
+    spec = specs.hopper_fwd_spec("bf16", 128, 128, tile)
+
+    class Module:
+        kernels = {"attn_fwd": None}
+    Module.spec = spec
+    plan_of = ladder.BY_NAME["hopper"].plan
+    at = [name for name, _ in ladder.launch.PARAM_FIELDS].index("tail_tiles") - ladder.plans.ADDRESS_FIELDS
+
+    def plan(heads, n, window=(-1, -1)):
+        q = torch.empty(1, n, heads, 128, dtype=BF16)
+        return plan_of(FwdProblem(q, q, q, 0.1, window), Module)
+
+    split = plan(16, 16384)  # 2048 units over 132 blocks: 68 left over, of 128 key tiles each
+    assert split.tail[at] == -(-68 * 128 // 132) and split.zeroed_floats == 68 * 2
+    assert split.scratch_floats == specs.hopper_tail_split(2048, 132, 128, 2, 128).scratch_floats
+    for unsplit in (plan(16, 16384, (-1, 0)), plan(16, 16384, (256, 0)), plan(16, 1024), plan(1, 16384)):
+        assert unsplit.tail[at] == 0 and unsplit.scratch_floats == 0 and unsplit.zeroed_floats == 0
+    d64 = specs.hopper_fwd_spec("bf16", 64, 64, specs.HOPPER_FWD_TILES[64])
+    assert dict(d64.defines)["FT_TAIL_SPLIT"] == 0

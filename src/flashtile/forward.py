@@ -14,6 +14,7 @@ MAX_GRID_BATCH = 65535        # a grid's z dimension, where the kernels put the 
 # AttnParams' decoding fields (seqused_k, block_table, o_accum, lse_accum, block_table_batch_stride, page_size,
 # num_splits): unused by every kernel but the decode builds, whose plan (decode.py) fills them.
 NO_DECODE_FIELDS = (0, 0, 0, 0, 0, 0, 1)
+NO_TAIL_SPLIT = 0             # AttnParams.tail_tiles of every plan but rung 5's with a tail split (ladder.py)
 
 
 @dataclass(slots=True)
@@ -133,7 +134,7 @@ class FwdProblem:
             batch, heads_q, heads_kv, heads_q // heads_kv,
             seqlen_q, seqlen_k, q.shape[-1], v.shape[-1],
             self.scale, self.scale * LOG2E, self.softcap,
-            self.window[0], self.window[1],
+            self.window[0], self.window[1], NO_TAIL_SPLIT,
             *NO_DECODE_FIELDS,
         )
 

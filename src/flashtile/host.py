@@ -252,9 +252,9 @@ def _backward_of(module: ModuleType, plan: plans.BwdPlan, device: int):
 
 def forward_of(plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device: int):
     """The C++ replay of a forward plan (holding its backward plan's, for training), or None where the Python
-    path keeps the call: no extension, or a plan with scratch memory (rung 0)."""
+    path keeps the call: no extension."""
     module = extension()
-    if module is None or plan.scratch_floats:
+    if module is None:
         return None
     packed = launch.PARAMS_STRUCT.pack(*(0,) * plans.ADDRESS_FIELDS, *plan.tail)
     box, q_box, o_box = plan.kv_box, plan.q_box, plan.o_box
@@ -262,7 +262,7 @@ def forward_of(plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device:
     backward = None if backward_plan is None else _backward_of(module, backward_plan, device)
     return module.make_forward(_steps(plan.launches), packed, launch.primary_context(device),
                                list(plan.out_shape or ()), list(plan.lse_shape or ()), make_maps, q_box is not None,
-                               o_box is not None, backward)
+                               o_box is not None, backward, plan.scratch_floats, plan.zeroed_floats)
 
 
 class CpuKernel(NamedTuple):

@@ -30,14 +30,23 @@ def _padded_dims(variant: Variant) -> int:
     return max(variant.head_dim, variant.head_dim_v)
 
 
+_TAIL_TILES_AT = [name for name, _ in launch.PARAM_FIELDS].index("tail_tiles") - plans.ADDRESS_FIELDS
+
+
 def fwd_plan(problem: FwdProblem, launches: tuple[Launch, ...], scratch_floats: int = 0,
              kv_box: specs.KvBox | None = None, outputs: tuple | None = None,
-             q_box: specs.KvBox | None = None, o_box: specs.KvBox | None = None) -> plans.FwdPlan:
+             q_box: specs.KvBox | None = None, o_box: specs.KvBox | None = None,
+             tail_split: specs.TailSplit | None = None) -> plans.FwdPlan:
     """The plan of `launches` over `problem`: the params after the addresses are computed here, once, for
     outputs laid out as `outputs` (default: as plans.empty_outputs allocates them)."""
     o, lse = outputs or plans.empty_outputs(problem.q, problem.out_shape(), problem.lse_shape())
-    return plans.FwdPlan(launches, problem.out_shape(), problem.lse_shape(), scratch_floats,
-                         problem.params(o, lse)[plans.ADDRESS_FIELDS:], kv_box, q_box, o_box)
+    tail = problem.params(o, lse)[plans.ADDRESS_FIELDS:]
+    zeroed = 0
+    if tail_split is not None:
+        tail = tail[:_TAIL_TILES_AT] + (tail_split.run,) + tail[_TAIL_TILES_AT + 1:]
+        scratch_floats, zeroed = tail_split.scratch_floats, tail_split.counter_floats
+    return plans.FwdPlan(launches, problem.out_shape(), problem.lse_shape(), scratch_floats, tail, kv_box, q_box,
+                         o_box, zeroed)
 
 
 def _naive_plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None = None) -> plans.FwdPlan:
@@ -74,7 +83,9 @@ def _persistent_plan(entry: str, threads_of):
     per unit, where the units cost the same: without a mask (a unit is a work tile) and under a causal mask (a
     unit pairs a head's heaviest and lightest query blocks). Under other masks the tiles' costs differ, and one
     block per tile, heaviest first, lets the hardware hand the next tile to whichever SM frees first. A build
-    without persistent blocks (FT_PERSISTENT 0) takes one tile per block of a (query blocks, heads, batch) grid."""
+    without persistent blocks (FT_PERSISTENT 0) takes one tile per block of a (query blocks, heads, batch) grid.
+    Without a mask, a build with FT_TAIL_SPLIT shares the last round's units out by key tiles where that pays
+    (specs.hopper_tail_split)."""
     def plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None = None) -> plans.FwdPlan:
         spec = module.spec
         defines = dict(spec.defines)
@@ -89,9 +100,13 @@ def _persistent_plan(entry: str, threads_of):
         else:
             units = (-(-m_blocks // 2) if paired else m_blocks) * problem.heads_q * problem.batch
             grid = (max(1, min(units, sm_count(problem.q.device.index))), 1, 1)
+        split = None
+        if defines.get("FT_TAIL_SPLIT") and defines["FT_PERSISTENT"] and (left, right) == (-1, -1):
+            split = specs.hopper_tail_split(units, grid[0], -(-problem.seqlen_k // defines["FT_BLOCK_N"]),
+                                            defines["FT_BLOCK_M"] // specs.WGMMA_M, defines["FT_HEAD_DIM_V"])
         step = Launch(module.kernels[entry], grid, threads_of(defines), spec.smem_bytes)
         return fwd_plan(problem, (step,), kv_box=spec.kv_maps, outputs=outputs, q_box=spec.q_map,
-                        o_box=spec.o_map)
+                        o_box=spec.o_map, tail_split=split)
     return plan
 
 

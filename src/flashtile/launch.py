@@ -37,7 +37,7 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("seqlen_q", "i"), ("seqlen_k", "i"),
     ("head_dim", "i"), ("head_dim_v", "i"),
     ("softmax_scale", "f"), ("scale_log2", "f"), ("softcap", "f"),
-    ("window_left", "i"), ("window_right", "i"),
+    ("window_left", "i"), ("window_right", "i"), ("tail_tiles", "i"),
     ("seqused_k", "Q"), ("block_table", "Q"), ("o_accum", "Q"), ("lse_accum", "Q"),
     ("block_table_batch_stride", "q"), ("page_size", "i"), ("num_splits", "i"),
 )

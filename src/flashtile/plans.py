@@ -64,6 +64,7 @@ class FwdPlan:
     kv_box: KvBox | None                # the K/V tensor maps' box (tma.kernel_argument); None: one argument
     q_box: KvBox | None = None          # Q's map's box, where the kernel loads Q through one
     o_box: KvBox | None = None          # O's map's box, where the kernel stores O through one
+    zeroed_floats: int = 0              # the scratch's last floats, zeroed before each call (counters)
     # The tensor maps by the addresses they describe (K's and V's, and Q's and O's where there are such maps):
     # the plan fixes everything else a map describes.
     maps: dict[tuple[int, ...], bytes] = field(default_factory=dict, compare=False)
@@ -74,6 +75,8 @@ class FwdPlan:
         them with 16-byte vector loads."""
         o, lse = out or empty_outputs(q, self.out_shape, self.lse_shape)
         scratch = torch.empty(self.scratch_floats, dtype=FP32, device=q.device) if self.scratch_floats else None
+        if self.zeroed_floats:
+            scratch[-self.zeroed_floats:].zero_()
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), 0 if lse is None else lse.data_ptr(),
                      0 if scratch is None else scratch.data_ptr())
         if cu_seqlens_q is None and alibi_slopes is None:  # the common call: dense, no ALiBi

@@ -278,6 +278,7 @@ def fwd_tile(head_dim: int, arch: str, score_mods: bool = False) -> Tile:
 
 PIPELINED_SOURCE = "mma/fwd.cu"
 MBARRIER_BYTES = 8
+INT_BYTES = 4
 SWIZZLE_ATOM_BYTES = 1024  # the 128-byte swizzle's period: 8 rows of 128 bytes
 WGMMA_M = 64               # rows of a warpgroup product
 
@@ -385,6 +386,7 @@ class HopperFwdTile:
     why: str
     pingpong: bool = True  # the consumers take turns issuing their products
     persistent: bool = True  # blocks loop over work tiles (kernels/wgmma/fwd.cu; flashtile/ladder.py's plan)
+    tail_split: bool = True  # persistent blocks share the last round's units by key tiles (hopper_tail_split)
 
     @property
     def consumers(self) -> int:
@@ -421,12 +423,14 @@ def consumer_registers(consumers: int, producer_registers: int = PRODUCER_REGIST
 
 HOPPER_FWD_TILES = {
     64: HopperFwdTile(192, 128, 3, "three consumers (S 64 + O 32 + P 32 registers fit 160): more rows per K/V "
-                                   "tile read; three stages beat two and four; 169 KB with O's buffer"),
+                                   "tile read; three stages beat two and four; 169 KB with O's buffer; no tail "
+                                   "split: its merge does not fit the 160 registers (ptxas spills)", tail_split=False),
     128: HopperFwdTile(128, 128, 2, "two consumers of 240 registers: S 64 + O 64 + P 32; two stages level with "
                                     "three once K and V free their slots apart; 225 KB with O's buffer, so no third"),
     256: HopperFwdTile(128, 64, 2, "two consumers: O 128 + S 32 + P 16 registers; a 128-key tile would need "
                                    "S 64 more; 193 KB, so two stages; one work tile per block (O staged over Q): the "
-                                   "persistent loop's bookkeeping spills 8 bytes under NVRTC 13.0", persistent=False),
+                                   "persistent loop's bookkeeping spills 8 bytes under NVRTC 13.0", persistent=False,
+                       tail_split=False),
 }
 
 
@@ -437,6 +441,37 @@ def hopper_fwd_tile(d: int, dv: int, arch: str) -> HopperFwdTile | None:
     return HOPPER_FWD_TILES.get(d)
 
 
+# The tail split (kernels/wgmma/fwd.cu TailSplit): without a mask, the units past the blocks' last full round are
+# dealt out by key tiles in runs of `run`, one run a block; each shared unit's pieces leave partial rows in slots of
+# the plan's scratch, and a counter per tail unit and consumer (zeroed by the plan before each call) finds the last.
+TAIL_SPLIT_MIN_SAVED_TILES = 8  # taken where the last round's longest block saves this many key tiles (notes.md:
+                                # at d64 n1k, runs of 3 of a unit's 8 tiles lost 1-3%: a piece pays a tile's fixed
+                                # costs again)
+TAIL_SPLIT_GROUP_FLOATS = 4     # the slots hold a thread's values in fours (float4)
+
+
+@dataclass(frozen=True)
+class TailSplit:
+    run: int             # key tiles per block (AttnParams.tail_tiles)
+    scratch_floats: int  # the slots, then the counters
+    counter_floats: int  # the counters: the scratch's last floats, zeroed before each call
+
+
+def hopper_tail_split(units: int, blocks: int, unit_tiles: int, consumers: int, dv: int) -> TailSplit | None:
+    """The tail split of `units` work units of `unit_tiles` key tiles each over `blocks` persistent blocks, or
+    None where it does not pay. Slots: one per block and one per tail unit, each holding every consumer thread's
+    partial O (dv / 2 floats: 64 rows x dv over 128 threads) and its rows' two maxima and two sums."""
+    tail = units % blocks if units > blocks else 0
+    if tail == 0:
+        return None
+    run = -(-tail * unit_tiles // blocks)
+    if unit_tiles - run < TAIL_SPLIT_MIN_SAVED_TILES:
+        return None
+    thread_floats = dv // 2 + TAIL_SPLIT_GROUP_FLOATS
+    slots = (blocks + tail) * consumers * thread_floats * WARPGROUP_THREADS
+    return TailSplit(run, slots + tail * consumers, tail * consumers)
+
+
 def hopper_fwd_q_buffers(tile: HopperFwdTile) -> int:
     """Q buffers of a rung-5 block: persistent blocks load the next tile's Q while the current one runs."""
     return 2 if tile.persistent else 1
@@ -444,11 +479,12 @@ def hopper_fwd_q_buffers(tile: HopperFwdTile) -> int:
 
 def hopper_fwd_smem(d: int, dv: int, tile: HopperFwdTile) -> int:
     """O's buffer (persistent blocks; one tile's O is staged over its Q), the Q buffers, the K/V stages, two
-    mbarriers per Q buffer and four per stage; a multiple of the swizzle atom."""
+    mbarriers per Q buffer and four per stage, two ints per Q buffer (the place in the schedule of the tile whose Q
+    it holds, and that tile's ring position); a multiple of the swizzle atom."""
     buffers = hopper_fwd_q_buffers(tile)
     o_buffer = tile.block_m * dv if tile.persistent else 0
     tiles = o_buffer + buffers * tile.block_m * d + tile.stages * tile.block_n * (d + dv)
-    storage = tiles * ELEM_BYTES + (2 * buffers + 4 * tile.stages) * MBARRIER_BYTES
+    storage = tiles * ELEM_BYTES + (2 * buffers + 4 * tile.stages) * MBARRIER_BYTES + 2 * buffers * INT_BYTES
     return -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
 
 
@@ -456,7 +492,7 @@ def hopper_fwd_spec(dtype: str, d: int, dv: int, tile: HopperFwdTile) -> KernelS
     defines = (("FT_HEAD_DIM", d), ("FT_HEAD_DIM_V", dv), ("FT_BLOCK_M", tile.block_m), ("FT_BLOCK_N", tile.block_n),
                ("FT_STAGES", tile.stages), ("FT_PINGPONG", int(tile.pingpong)), ("FT_PRODUCER_REGISTERS", PRODUCER_REGISTERS),
                ("FT_CONSUMER_REGISTERS", consumer_registers(tile.consumers)), ("FT_PERSISTENT", int(tile.persistent)),
-               ("FT_Q_BUFFERS", hopper_fwd_q_buffers(tile)))
+               ("FT_Q_BUFFERS", hopper_fwd_q_buffers(tile)), ("FT_TAIL_SPLIT", int(tile.tail_split)))
     return KernelSpec("wgmma/fwd.cu", ("attn_fwd",), dtype, "sm_90a", defines, hopper_fwd_smem(d, dv, tile),
                       kv_maps=KvBox(tile.block_n, WIDE_BOX_COLS), q_map=KvBox(WGMMA_M, WIDE_BOX_COLS),
                       o_map=KvBox(O_STORE_ROWS, WIDE_BOX_COLS))

@@ -178,6 +178,8 @@ void poison(std::initializer_list<at::Tensor*> buffers) {
 }
 
 // AttnParams begins with the addresses of q, k, v, o and the LSE.
+constexpr size_t kScratchSlot = 5;  // AttnParams.scores, after q, k, v, o and lse
+
 void put_operands(ParamsBuffer& buffer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& o, const at::Tensor& lse) {
   size_t slot = 0;
@@ -404,11 +406,15 @@ struct Forward {
   std::unordered_map<MapsKey, std::string, MapsKeyHash> maps;
   std::mutex maps_lock;
   std::shared_ptr<const Backward> backward;
+  int64_t scratch_floats;  // fp32 scratch the kernels share (AttnParams.scores); 0: none
+  int64_t zeroed_floats;   // its last floats, zeroed before each call (the tail split's counters)
 
   Forward(Launches launches, std::vector<int64_t> out_shape, std::vector<int64_t> lse_shape, py::object make_maps,
-          bool maps_of_q, bool maps_of_o, std::shared_ptr<Backward> backward)
+          bool maps_of_q, bool maps_of_o, std::shared_ptr<Backward> backward, int64_t scratch_floats,
+          int64_t zeroed_floats)
       : launches(std::move(launches)), out_shape(std::move(out_shape)), lse_shape(std::move(lse_shape)),
-        make_maps(std::move(make_maps)), maps_of_q(maps_of_q), maps_of_o(maps_of_o), backward(std::move(backward)) {}
+        make_maps(std::move(make_maps)), maps_of_q(maps_of_q), maps_of_o(maps_of_o), backward(std::move(backward)),
+        scratch_floats(scratch_floats), zeroed_floats(zeroed_floats) {}
 
   void* maps_for(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
                  MapsBuffer& out) {
@@ -426,6 +432,12 @@ struct Forward {
     ParamsBuffer buffer;
     std::memcpy(buffer.bytes, launches.params.data(), launches.params.size());
     put_operands(buffer, q, k, v, o, lse);
+    at::Tensor scratch;  // kept until the launches are queued; the allocator orders its reuse on the stream
+    if (scratch_floats > 0) {
+      scratch = at::empty({scratch_floats}, q.options().dtype(at::kFloat));
+      if (zeroed_floats > 0) scratch.narrow(0, scratch_floats - zeroed_floats, zeroed_floats).zero_();
+      put_address(buffer, kScratchSlot * kAddressBytes, scratch);
+    }
     MapsBuffer maps_buffer;
     launches.run(0, launches.steps.size(), buffer.bytes, maps_for(q, k, v, o, maps_buffer),
                  current_stream(q.device()));
@@ -2519,8 +2531,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("make_forward", [](const py::list& steps, py::bytes packed, uintptr_t context, std::vector<int64_t> out_shape,
                            std::vector<int64_t> lse_shape, py::object make_maps, bool maps_of_q, bool maps_of_o,
-                           std::shared_ptr<Backward> backward) {
+                           std::shared_ptr<Backward> backward, int64_t scratch_floats, int64_t zeroed_floats) {
     return std::make_shared<Forward>(launches_of(steps, packed, context), std::move(out_shape), std::move(lse_shape),
-                                     std::move(make_maps), maps_of_q, maps_of_o, std::move(backward));
+                                     std::move(make_maps), maps_of_q, maps_of_o, std::move(backward), scratch_floats,
+                                     zeroed_floats);
   });
 }

@@ -36,6 +36,7 @@ struct AttnParams {
     float scale_log2;         // softmax_scale * log2(e), for kernels that run the softmax in base 2
     float softcap;            // 0 = off
     int window_left, window_right;  // -1 = unbounded; causal is window_right = 0
+    int tail_tiles;           // rung 5's tail split (wgmma/fwd.cu): key tiles per block in the last round; 0 = off
 
     // Decoding only (kernels built with FT_DECODE, flashtile/decode.py); zero for every other kernel.
     const int* seqused_k;      // (batch,): keys each sequence uses, at most seqlen_k; null: seqlen_k

@@ -34,6 +34,9 @@
 //             as soon as the last product has read it).
 //           * a consumer warpgroup computes only the key tiles its own 64 rows see: under a causal mask the
 //             block's first rows stop a tile or more before its last, and rows past the sequence see none.
+//           * the tail split: without a mask, the units left over after the blocks' last full round are cut by
+//             key tiles and shared out evenly (TailSplit), so the last round's SMs are not idle while a few
+//             blocks run whole units; the last piece of a unit to finish merges the others' partial rows.
 // Wastes:   a work tile's first S and last P V run without a partner product in the same warpgroup.
 #include "../common/params.cuh"
 #include "../common/mask.cuh"
@@ -49,6 +52,7 @@ constexpr int kStages = FT_STAGES;         // K/V stages in the ring            
 constexpr bool kPingPong = FT_PINGPONG;    // consumers take turns on the tensor cores
 constexpr bool kPersistent = FT_PERSISTENT;  // a block loops over work tiles; otherwise it takes one
 constexpr int kQBuffers = FT_Q_BUFFERS;      // persistent blocks: the next tile's Q lands while this one runs
+constexpr bool kTailSplit = FT_TAIL_SPLIT;   // persistent blocks may share the last round's units (TailSplit)
 constexpr int kProducerRegisters = FT_PRODUCER_REGISTERS;  // per thread, after setmaxnreg
 constexpr int kConsumerRegisters = FT_CONSUMER_REGISTERS;
 
@@ -94,11 +98,61 @@ struct __align__(kSwizzleAtomBytes) SharedStorage : OBuffer<kOBuffer> {
     unsigned long long v_full[kStages];    // ... its V tile
     unsigned long long k_empty[kStages];   // complete when every consumer warp's S = Q K^T has read stage s's K
     unsigned long long v_empty[kStages];   // ... its O += P V has read stage s's V
+    int tile_at[kQBuffers];                // persistent blocks: the place in the schedule of the tile whose Q is
+    int tile_kv_base[kQBuffers];           // in buffer b (-1: the block's tiles are done), and its ring position
 };
 
 constexpr float kRescaleThreshold = 8.f;  // as rung 4 (mma/fwd.cu): O is rescaled only past 2^8
 constexpr int kProducerThread = 0;
 constexpr int kTurnBarrierBase = 1;  // named barrier 1 + c: consumer c's turn on the tensor cores (0 is __syncthreads)
+constexpr int kTailBarrierBase = kTurnBarrierBase + kConsumers;  // kTailBarrierBase + c: consumer c's warpgroup alone
+constexpr int kTailOGroups = kOutProducts * kOutAccumulators / 4;  // a thread's partial O in fours; then its row
+constexpr int kTailGroups = kTailOGroups + 1;                        // maxima and row sums, four more
+
+// The tail split (p.tail_tiles > 0: persistent blocks without a mask, where every unit has the same key tiles;
+// the plan in flashtile/ladder.py turns it on). The units past the blocks' last full round ("the tail") are laid
+// end to end by key tiles and dealt out in runs of p.tail_tiles, block b taking run b. A run may end inside one
+// unit and go on into the next, so a block takes one or two pieces, and a unit's pieces belong to consecutive
+// blocks. Each piece of a unit that more than one block shares leaves its partial rows in a slot of p.scores: a
+// piece that starts a run in block b's slot, one that starts a unit inside a run in the unit's own (after the
+// blocks'). A counter per tail unit and consumer, after the slots (zeroed by the plan), counts the pieces done.
+struct TailSplit {
+    int unit0;       // the first unit of the tail
+    int units;       // units in the tail
+    int unit_tiles;  // key tiles per unit
+    int run;         // key tiles per block
+    int blocks;
+
+    __device__ static TailSplit of(const AttnParams& p) {
+        TailSplit split;
+        const int all = ceil_div(p.seqlen_q, kBlockM) * p.heads_q * p.batch;
+        split.blocks = gridDim.x;
+        split.unit0 = all - all % split.blocks;
+        split.units = all - split.unit0;
+        split.unit_tiles = ceil_div(p.seqlen_k, kBlockN);
+        split.run = p.tail_tiles;
+        return split;
+    }
+    // The tail unit of the piece at `at` in the schedule (the kernel's `settle`), or -1 outside the tail.
+    __device__ int unit_at(int at) const {
+        const int t = at - 2 * (unit0 + units);
+        return t < 0 ? -1 : t / unit_tiles;
+    }
+    // Tail unit u's pieces lie in blocks first_block(u) .. last_block(u).
+    __device__ int first_block(int u) const { return u * unit_tiles / run; }
+    __device__ int last_block(int u) const { return ((u + 1) * unit_tiles - 1) / run; }
+    __device__ int slot(int u, int block) const {
+        return u * unit_tiles <= block * run ? block : blocks + u;
+    }
+    // Consumer c's values in a slot: four-value group i of warpgroup thread tid at [i][tid], so that a warp's
+    // loads coalesce.
+    __device__ float4* values(const AttnParams& p, int slot, int consumer) const {
+        return reinterpret_cast<float4*>(p.scores) + (i64)(slot * kConsumers + consumer) * kTailGroups * kWarpgroupThreads;
+    }
+    __device__ int* counter(const AttnParams& p, int u, int consumer) const {
+        return reinterpret_cast<int*>(values(p, blocks + units, 0)) + u * kConsumers + consumer;
+    }
+};
 
 template <bool B> struct Bool { static constexpr bool value = B; };
 
@@ -136,9 +190,10 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
     if (dynamic_smem_bytes() < sizeof(SharedStorage)) __trap();
     if (smem_addr(smem_raw) % kSwizzleAtomBytes != 0) __trap();  // the swizzle pattern is anchored to 1024 bytes
     // The warpgroup index must look uniform to the compiler (wgmma on a path it thinks divergent is serialized).
-    const int warpgroup = __shfl_sync(kFullWarpMask, threadIdx.x / kWarpgroupThreads, 0);
+    const int warpgroup = uniform(threadIdx.x / kWarpgroupThreads);
 
-    // Persistent blocks (FT_PERSISTENT): block i takes the work units i, i + gridDim.x, ... (the plan launches
+    // Persistent blocks (FT_PERSISTENT): block i takes the work units i, i + gridDim.x, ... (then, with a tail
+    // split, its run of the last round's key tiles; the plan launches
     // one block per SM where units cost the same, one block per work tile under other masks). A unit is one work
     // tile (query block, head, batch), or under a causal mask two of one head, the heaviest and the lightest query
     // block not yet paired, so that every unit costs about the same (m_blocks + 1 key tiles). The query blocks of
@@ -169,29 +224,43 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
     // One tile: heaviest first (under a causal mask the last query block sees the most keys).
     const Work single = kPersistent ? Work{} : work_at(gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z);
     if (!kPersistent && single.m0 >= single.pr.seqlen_q) return;
-    // body(work tile, kv_base, n) over this block's tiles in order, the n-th of them taking Q buffer n % kQBuffers.
-    // The schedule's numbers are worked out where each role runs it, not kept from the kernel's start.
-    auto for_each_tile = [&](auto&& body) {
-        if constexpr (kPersistent) {
-            const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
-            const bool paired = p.window_left < 0 && p.window_right == 0;
-            const int unit_blocks = paired ? ceil_div(m_blocks, 2) : m_blocks;  // query blocks' units per head
-            const int units = unit_blocks * p.heads_q * p.batch;
-            int kv_base = 0, n = 0;
-            for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-                const int j = unit % unit_blocks, hb = unit / unit_blocks;
-                // A causal unit's second tile, unless the first was the middle query block of an odd count.
-                const int parts = paired && 2 * j + 1 != m_blocks ? 2 : 1;
-                for (int part = 0; part < parts; ++part, ++n) {
-                    const Work w = work_at(part == 0 ? m_blocks - 1 - j : j, hb % p.heads_q, hb / p.heads_q);
-                    const int next_base = kv_base + w.tiles.count;
-                    body(w, kv_base, n);
-                    kv_base = next_base;
-                }
-            }
-        } else {
-            body(single, 0, 0);
+    // The persistent schedule. A block's place in it is one number, `at`: 2 unit + part over the whole units (a
+    // causal unit's second work tile is part 1), then, with a tail split, 2 units + t over the tail's key tiles
+    // (TailSplit). Whole units: all of them, or with a tail split the rounds in which every block has one; then the
+    // block's run of the tail, a piece per unit it crosses. The producer walks the schedule and leaves each tile's
+    // place beside its Q (tile_at), so that the consumers keep no schedule of their own through their loop.
+    auto settle = [&](int at) {  // `at`, or where the schedule goes on from it; -1 past the block's last tile
+        const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
+        const bool paired = p.window_left < 0 && p.window_right == 0;
+        const int units = (paired ? ceil_div(m_blocks, 2) : m_blocks) * p.heads_q * p.batch;
+        const int run = p.tail_tiles;  // (a tail split is never paired)
+        if (at < 2 * units && (run == 0 || at / 2 - (int)blockIdx.x + (int)gridDim.x <= units)) return at;
+        if (run == 0) return -1;
+        const int unit0 = units - units % gridDim.x, unit_tiles = ceil_div(p.seqlen_k, kBlockN);
+        if (at <= 2 * units) at = 2 * units + blockIdx.x * run;  // past the whole rounds: on to the block's run
+        return at - 2 * units < min((int)(blockIdx.x + 1) * run, (units - unit0) * unit_tiles) ? at : -1;
+    };
+    // The work tile at `at` (settled), and the place after it.
+    auto work_of = [&](int at, int& next) {
+        const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
+        const bool paired = p.window_left < 0 && p.window_right == 0;
+        const int unit_blocks = paired ? ceil_div(m_blocks, 2) : m_blocks;  // query blocks' units per head
+        const int units = unit_blocks * p.heads_q * p.batch;
+        if (at < 2 * units) {
+            const int unit = at / 2, part = at % 2, j = unit % unit_blocks, hb = unit / unit_blocks;
+            // A causal unit's second tile, unless the first was the middle query block of an odd count.
+            // (Past the last unit, the place is 2 units, which settle reads as the start of the block's run.)
+            next = settle(part == 0 && paired && 2 * j + 1 != m_blocks ? at + 1 : 2 * min(unit + (int)gridDim.x, units));
+            return work_at(part == 0 ? m_blocks - 1 - j : j, hb % p.heads_q, hb / p.heads_q);
         }
+        const int unit0 = units - units % gridDim.x, unit_tiles = ceil_div(p.seqlen_k, kBlockN);
+        const int t = at - 2 * units, end = min((int)(blockIdx.x + 1) * p.tail_tiles, (units - unit0) * unit_tiles);
+        const int u = t / unit_tiles, first = t - u * unit_tiles, hb = (unit0 + u) / unit_blocks;
+        Work w = work_at(m_blocks - 1 - (unit0 + u) % unit_blocks, hb % p.heads_q, hb / p.heads_q);
+        w.tiles.begin += first * kBlockN;
+        w.tiles.count = min(end - t, unit_tiles - first);
+        next = settle(at + w.tiles.count);
+        return w;
     };
 
     const u32 q_smem = smem_addr(smem.q[0][0]), k_smem = smem_addr(smem.k[0]), v_smem = smem_addr(smem.v[0]);
@@ -221,10 +290,14 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
         // reaches a tile's Q while the consumers still run the tile before, so that Q is there when they start.
         setmaxnreg_dec<kProducerRegisters>();
         if (threadIdx.x != kProducerThread) return;
-        auto produce = [&](const Work& w, int kv_base, int n) {
+        auto produce = [&](const Work& w, int kv_base, int n, int at) {
             const int buffer = n % kQBuffers, use = n / kQBuffers;
             const u32 q_bar = q_full + buffer * kMbarrierBytes;
             if (use > 0) mbarrier_wait(q_empty + buffer * kMbarrierBytes, (use - 1) & 1);
+            if constexpr (kPersistent) {  // published by the arrival below
+                smem.tile_at[buffer] = at;
+                smem.tile_kv_base[buffer] = kv_base;
+            }
             mbarrier_arrive_expect_bytes(q_bar, kQBufferBytes);
 #pragma unroll
             for (int c = 0; c < kConsumers; ++c)
@@ -252,7 +325,22 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
                                 blk * kSwizzleRowElems, map_row0 + n0, map_head, map_batch, v_bar);
             }
         };
-        for_each_tile(produce);
+        if constexpr (kPersistent) {
+            int n = 0, kv_base = 0;
+            for (int at = settle(2 * blockIdx.x), next; at >= 0; at = next, ++n) {
+                const Work w = work_of(at, next);
+                const int next_base = kv_base + w.tiles.count;
+                produce(w, kv_base, n, at);
+                kv_base = next_base;
+            }
+            // The end, for the consumers: a place of -1 beside the next Q buffer, once that buffer is free.
+            const int buffer = n % kQBuffers, use = n / kQBuffers;
+            if (use > 0) mbarrier_wait(q_empty + buffer * kMbarrierBytes, (use - 1) & 1);
+            smem.tile_at[buffer] = -1;
+            mbarrier_arrive(q_full + buffer * kMbarrierBytes);
+        } else {
+            produce(single, 0, 0, 0);
+        }
         return;
     }
 
@@ -381,8 +469,9 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
         // slot's previous round) and takes its turns without products, so the turns keep their order.
         const int row1 = min(row0 + kWgmmaM, pr.seqlen_q);
         const Mask::Tiles own = 0 <= row0 && row0 < row1 ? mask.key_tiles<kBlockN>(row0, row1) : Mask::Tiles{0, 0};
-        const int lo = own.count > 0 ? (own.begin - n_begin) / kBlockN : n_tiles;
-        const int hi = own.count > 0 ? lo + own.count : n_tiles;
+        // (A tail piece's tiles are a part of the unit's: its rows' own tiles are clipped to them.)
+        const int lo = own.count > 0 ? max((own.begin - n_begin) / kBlockN, 0) : n_tiles;
+        const int hi = own.count > 0 ? min((own.begin - n_begin) / kBlockN + own.count, n_tiles) : n_tiles;
         auto pass = [&](int it) {
             wait_k(it);
             release_k(it);
@@ -460,11 +549,72 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
         for (int it = hi; it < n_tiles; ++it) pass(it);
 
         // The epilogue works its offsets (and its Q buffer's mbarrier address) out again rather than keep them live
-        // through the loop, as the schedule above does with its numbers: the loop keeps those registers.
+        // through the loop (as the consumers take their schedule from shared memory): the loop keeps those registers.
         const Problem late = locate_problem(p, w.b, w.h);
+        const int at = kTailSplit ? uniform(smem.tile_at[buffer]) : 0;  // read before the buffer goes back
         if constexpr (kOBuffer) {  // the last product that reads Q has landed in this warp
             __syncwarp();
             if (lane == 0) mbarrier_arrive(smem_addr(&smem.q_empty[buffer]));
+        }
+        // The end of a tail piece (TailSplit). A piece of a unit that other blocks share leaves its rows' partial O,
+        // row maxima and row sums in its slot and counts itself done; the last of the unit's pieces to finish merges
+        // every piece's, in block order (the same bits whichever finishes last), into o, row_max and row_sum and runs
+        // the epilogue; the others end here. (Written out here, not in a function: o passed by reference went to
+        // local memory.)
+        if constexpr (kPersistent && kTailSplit) {
+            if (p.tail_tiles > 0) {
+                const TailSplit split = TailSplit::of(p);
+                const int u = split.unit_at(at);
+                if (u >= 0 && split.first_block(u) != split.last_block(u)) {
+                    const int first = split.first_block(u), last = split.last_block(u);
+                    float4* mine = split.values(p, split.slot(u, blockIdx.x), consumer) + tid;
+#pragma unroll
+                    for (int i = 0; i < kTailOGroups; ++i) {
+                        const float* four = &o[4 * i / kOutAccumulators][4 * i % kOutAccumulators];
+                        __stcg(mine + i * kWarpgroupThreads, make_float4(four[0], four[1], four[2], four[3]));
+                    }
+                    __stcg(mine + kTailOGroups * kWarpgroupThreads,
+                           make_float4(row_max[0], row_max[1], row_sum[0], row_sum[1]));
+                    __threadfence();  // this thread's values, before the count that publishes them
+                    named_barrier_sync(kTailBarrierBase + consumer, kWarpgroupThreads);
+                    bool finished = false;
+                    if (tid == 0) finished = atomicAdd(split.counter(p, u, consumer), 1) == last - first;
+                    if (!uniform(named_barrier_any(kTailBarrierBase + consumer, kWarpgroupThreads, finished))) return;
+                    __threadfence();  // every piece's values, after the count that saw them all
+
+#pragma unroll
+                    for (int n = 0; n < kOutProducts; ++n)
+#pragma unroll
+                        for (int j = 0; j < kOutAccumulators; ++j) o[n][j] = 0.f;
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) row_max[half] = kNegInf, row_sum[half] = 0.f;
+#pragma unroll 1
+                    for (int b = first; b <= last; ++b) {
+                        const float4* part = split.values(p, split.slot(u, b), consumer) + tid;
+                        const float4 rows = __ldcg(part + kTailOGroups * kWarpgroupThreads);
+                        float keep[2], take[2];  // the factors of the rows merged so far and of this piece's
+#pragma unroll
+                        for (int half = 0; half < 2; ++half) {
+                            const float part_max = half == 0 ? rows.x : rows.y;
+                            const float part_sum = half == 0 ? rows.z : rows.w;
+                            const float m = fmaxf(row_max[half], part_max);
+                            keep[half] = row_max[half] == kNegInf ? 0.f : fast_exp2((row_max[half] - m) * log2_factor);
+                            take[half] = part_max == kNegInf ? 0.f : fast_exp2((part_max - m) * log2_factor);
+                            row_max[half] = m;
+                            row_sum[half] = row_sum[half] * keep[half] + part_sum * take[half];
+                        }
+#pragma unroll
+                        for (int i = 0; i < kTailOGroups; ++i) {  // a group holds e = 0, 1 of rows g and g + 8
+                            const float4 x = __ldcg(part + i * kWarpgroupThreads);
+                            float* four = &o[4 * i / kOutAccumulators][4 * i % kOutAccumulators];
+                            four[0] = four[0] * keep[0] + x.x * take[0];
+                            four[1] = four[1] * keep[0] + x.y * take[0];
+                            four[2] = four[2] * keep[1] + x.z * take[1];
+                            four[3] = four[3] * keep[1] + x.w * take[1];
+                        }
+                    }
+                }
+            }
         }
         // Epilogue: normalise; stage this warp's 16 rows of O (once its last store has read them), with the LSE
         // beside it; one lane stores them, a column block at a time, if any of them lies in the sequence (a box
@@ -500,7 +650,18 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
             bulk_commit();
         }
     };
-    for_each_tile(consume);
+    if constexpr (kPersistent) {
+        for (int n = 0;; ++n) {  // the tiles the producer names beside their Q, until it names none
+            const int buffer = n % kQBuffers;
+            mbarrier_wait(q_full + buffer * kMbarrierBytes, (n / kQBuffers) & 1);
+            const int at = uniform(smem.tile_at[buffer]);
+            if (at < 0) break;
+            int next;
+            consume(work_of(at, next), uniform(smem.tile_kv_base[buffer]), n);
+        }
+    } else {
+        consume(single, 0, 0);
+    }
     if (kPingPong && took_turns && consumer == 0) turn_begin();  // the last round's pass, which nobody else takes
     if (lane == 0) bulk_wait_all<true>();  // the last stores have read shared memory before the block leaves it
 }

@@ -66,6 +66,17 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
+// A value the warp holds alike (read from shared memory, or a barrier's result), shown to the compiler as the
+// same in every lane: code that branches on a value the compiler thinks may differ between lanes loses the warp's
+// convergence, and every shuffle and warpgroup product after it pays for a WARPSYNC.
+template <typename T> __device__ __forceinline__ T uniform(T value) { return __shfl_sync(kFullWarpMask, value, 0); }
+// A barrier that also returns to every thread whether any of them passed `value` true.
+__device__ __forceinline__ bool named_barrier_any(int id, int threads, bool value) {
+    int any;
+    asm volatile("{\n .reg .pred in, out;\n setp.ne.s32 in, %1, 0;\n bar.red.or.pred out, %2, %3, in;\n"
+                 " selp.s32 %0, 1, 0, out;\n}" : "=r"(any) : "r"((int)value), "r"(id), "r"(threads) : "memory");
+    return any != 0;
+}
 
 // Pins accumulator registers at this point of the program for the compiler: without it, registers that
 // ordinary code wrote before a product let ptxas insert its own warpgroup waits and serialize every product
