@@ -106,8 +106,10 @@ class FwdProblem:
             return None
         return (self.heads_q, self.q.shape[0]) if self.varlen else (self.batch, self.heads_q, self.seqlen_q)
 
-    def params(self, o: torch.Tensor, lse: torch.Tensor | None, scores: torch.Tensor | None = None) -> tuple:
-        """AttnParams field values for this problem writing into `o` / `lse` (kernels/common/params.cuh)."""
+    def params(self, o: torch.Tensor, lse: torch.Tensor | None, scores: torch.Tensor | None = None,
+               tail_tiles: int = NO_TAIL_SPLIT) -> tuple:
+        """AttnParams field values for this problem writing into `o` / `lse` (kernels/common/params.cuh); rung 5's
+        plan passes its tail split's run as `tail_tiles`."""
         q, k, v = self.q, self.k, self.v
         heads_q, heads_kv = q.shape[-2], k.shape[-2]
         if self.cu_seqlens_q is not None:  # (total, heads, dim): no batch stride, rows located via cu_seqlens
@@ -134,7 +136,7 @@ class FwdProblem:
             batch, heads_q, heads_kv, heads_q // heads_kv,
             seqlen_q, seqlen_k, q.shape[-1], v.shape[-1],
             self.scale, self.scale * LOG2E, self.softcap,
-            self.window[0], self.window[1], NO_TAIL_SPLIT,
+            self.window[0], self.window[1], tail_tiles,
             *NO_DECODE_FIELDS,
         )
 

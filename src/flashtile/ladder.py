@@ -14,7 +14,7 @@ import torch
 
 from . import launch, plans, specs
 from .family import Family, Serves, Variant
-from .forward import FwdProblem
+from .forward import NO_TAIL_SPLIT, FwdProblem
 from .launch import Launch
 
 MAX_GRID_X = 2**31 - 1   # grid-stride loops cover whatever a grid of this many blocks does not
@@ -30,9 +30,6 @@ def _padded_dims(variant: Variant) -> int:
     return max(variant.head_dim, variant.head_dim_v)
 
 
-_TAIL_TILES_AT = [name for name, _ in launch.PARAM_FIELDS].index("tail_tiles") - plans.ADDRESS_FIELDS
-
-
 def fwd_plan(problem: FwdProblem, launches: tuple[Launch, ...], scratch_floats: int = 0,
              kv_box: specs.KvBox | None = None, outputs: tuple | None = None,
              q_box: specs.KvBox | None = None, o_box: specs.KvBox | None = None,
@@ -40,11 +37,10 @@ def fwd_plan(problem: FwdProblem, launches: tuple[Launch, ...], scratch_floats: 
     """The plan of `launches` over `problem`: the params after the addresses are computed here, once, for
     outputs laid out as `outputs` (default: as plans.empty_outputs allocates them)."""
     o, lse = outputs or plans.empty_outputs(problem.q, problem.out_shape(), problem.lse_shape())
-    tail = problem.params(o, lse)[plans.ADDRESS_FIELDS:]
-    zeroed = 0
+    run, zeroed = NO_TAIL_SPLIT, 0
     if tail_split is not None:
-        tail = tail[:_TAIL_TILES_AT] + (tail_split.run,) + tail[_TAIL_TILES_AT + 1:]
-        scratch_floats, zeroed = tail_split.scratch_floats, tail_split.counter_floats
+        run, scratch_floats, zeroed = tail_split.run, tail_split.scratch_floats, tail_split.counter_floats
+    tail = problem.params(o, lse, tail_tiles=run)[plans.ADDRESS_FIELDS:]
     return plans.FwdPlan(launches, problem.out_shape(), problem.lse_shape(), scratch_floats, tail, kv_box, q_box,
                          o_box, zeroed)
 
