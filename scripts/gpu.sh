@@ -86,8 +86,9 @@ cat "$OUT/overhead.log"
 tail -n 25 "$OUT/bench.log"
 tail -n 80 "$OUT/matrix.log" | cut -c1-160
 tail -n 12 "$OUT/decode.log" | cut -c1-200
-# At most 8 files come back from the GPU machine: fold the logs into one.
-for log in "$OUT"/*.log; do echo "===== $(basename "$log")"; cat "$log"; done >"$OUT/logs.txt"
+# At most 8 files come back from the GPU machine: fold the logs into one, named by the mode (so that one call
+# running several modes keeps each one's logs).
+for log in "$OUT"/*.log; do echo "===== $(basename "$log")"; cat "$log"; done >"$OUT/logs-$MODE.txt"
 rm -f "$OUT"/*.log
 echo "==== summary ($MODE) ===="
 printf '%s\n' "${summary[@]}"
