@@ -156,6 +156,17 @@ struct TailSplit {
 
 template <bool B> struct Bool { static constexpr bool value = B; };
 
+// A number the producer handed over in shared memory (tile_at, tile_kv_base), read once a warp. The Q buffer's
+// mbarrier orders the store before the read; the pair is stored and read by atomics all the same, because
+// compute-sanitizer's racecheck follows no mbarrier handover of plain stores and would report every one.
+__device__ __forceinline__ void hand_over(int* place, int value) { atomicExch(place, value); }
+
+__device__ __forceinline__ int handed(int* place, int lane) {
+    int value = 0;
+    if (lane == 0) value = atomicAdd(place, 0);
+    return __shfl_sync(kFullWarpMask, value, 0);
+}
+
 // S (64 rows x kBlockN keys) = Q K^T over the head dim, both K-major: a k16 step is 32 bytes along the rows,
 // every fourth one a column block on.
 __device__ __forceinline__ void scores(float (&s)[kScoreAccumulators], u32 q_tile, u32 k_tile) {
@@ -295,8 +306,8 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
             const u32 q_bar = q_full + buffer * kMbarrierBytes;
             if (use > 0) mbarrier_wait(q_empty + buffer * kMbarrierBytes, (use - 1) & 1);
             if constexpr (kPersistent) {  // published by the arrival below
-                smem.tile_at[buffer] = at;
-                smem.tile_kv_base[buffer] = kv_base;
+                hand_over(&smem.tile_at[buffer], at);
+                hand_over(&smem.tile_kv_base[buffer], kv_base);
             }
             mbarrier_arrive_expect_bytes(q_bar, kQBufferBytes);
 #pragma unroll
@@ -336,7 +347,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
             // The end, for the consumers: a place of -1 beside the next Q buffer, once that buffer is free.
             const int buffer = n % kQBuffers, use = n / kQBuffers;
             if (use > 0) mbarrier_wait(q_empty + buffer * kMbarrierBytes, (use - 1) & 1);
-            smem.tile_at[buffer] = -1;
+            hand_over(&smem.tile_at[buffer], -1);
             mbarrier_arrive(q_full + buffer * kMbarrierBytes);
         } else {
             produce(single, 0, 0, 0);
@@ -551,7 +562,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
         // The epilogue works its offsets (and its Q buffer's mbarrier address) out again rather than keep them live
         // through the loop (as the consumers take their schedule from shared memory): the loop keeps those registers.
         const Problem late = locate_problem(p, w.b, w.h);
-        const int at = kTailSplit ? uniform(smem.tile_at[buffer]) : 0;  // read before the buffer goes back
+        const int at = kTailSplit ? handed(&smem.tile_at[buffer], lane) : 0;  // read before the buffer goes back
         if constexpr (kOBuffer) {  // the last product that reads Q has landed in this warp
             __syncwarp();
             if (lane == 0) mbarrier_arrive(smem_addr(&smem.q_empty[buffer]));
@@ -654,10 +665,10 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
         for (int n = 0;; ++n) {  // the tiles the producer names beside their Q, until it names none
             const int buffer = n % kQBuffers;
             mbarrier_wait(q_full + buffer * kMbarrierBytes, (n / kQBuffers) & 1);
-            const int at = uniform(smem.tile_at[buffer]);
+            const int at = handed(&smem.tile_at[buffer], lane);
             if (at < 0) break;
             int next;
-            consume(work_of(at, next), uniform(smem.tile_kv_base[buffer]), n);
+            consume(work_of(at, next), handed(&smem.tile_kv_base[buffer], lane), n);
         }
     } else {
         consume(single, 0, 0);
