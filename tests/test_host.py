@@ -398,6 +398,112 @@ def test_the_own_kernels_training_call_records_the_cpu_node_and_reads_any_stride
         assert torch.equal(a, b)
 
 
+def _torchs_kernel(q, k, v, causal):
+    """torch's CPU kernel's (out, lse) as host.cpp's torch_forward calls it: its bits, to compare with."""
+    out, lse = torch._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=q.shape[-1] ** -0.5)
+    return out.transpose(1, 2), lse
+
+
+def _chosen(module):
+    """{(pass, own)} of the kinds of problem measured so far ('forward' or 'backward')."""
+    return {("backward" if fields[7] else "forward", own) for fields, own in module.kernel_choices()}
+
+
+@needs_build
+@pytest.mark.parametrize("causal", [False, True])
+def test_where_both_cpu_kernels_serve_the_faster_is_measured_once_and_kept(monkeypatch, causal):
+    """A small square problem is served by both the own kernel and torch's kernel: its first call measures both
+    and returns the chosen kernel's bits; later calls of that kind take the chosen kernel, and a choice set the
+    other way is followed, forward and backward alike."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    module = host.extension()
+    case = (2, 96, 96, 4, 2, 32, causal, torch.float32)
+    leaves = _cpu_leaves(case, seed=5)
+    q, k, v = (t.detach() for t in leaves)
+    assert module.own_small_serves(q, k, v, causal)
+    scale = case[5] ** -0.5
+    by_kernel = {True: module.own_forward(q, k, v, scale, causal)[0], False: _torchs_kernel(q, k, v, causal)[0]}
+    assert not torch.equal(by_kernel[True], by_kernel[False])  # else the bits could not tell the kernels apart
+    module.clear_kernel_choices()
+    api.clear_calls()
+    with torch.no_grad():
+        first = flashtile.attention(q, k, v, causal=causal)
+    [(direction, own)] = _chosen(module)
+    assert direction == "forward" and torch.equal(first, by_kernel[own])
+    with torch.no_grad():
+        assert torch.equal(flashtile.attention(q, k, v, causal=causal), first)  # the kept call, in C++
+    for own in (not own, own):
+        module.set_kernel_choice(q, k, causal, False, own)
+        with torch.no_grad():
+            assert torch.equal(flashtile.attention(q, k, v, causal=causal), by_kernel[own])
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(6))
+    grads = {}
+    for own in (True, False):
+        module.set_kernel_choice(q, k, causal, True, own)
+        out = flashtile.attention(*leaves, causal=causal)
+        assert out.grad_fn.name() == "flashtile::CpuAttentionBackward"
+        grads[own] = torch.autograd.grad(out, leaves, dout)
+        assert ("backward", own) in _chosen(module)
+    assert not all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    module.clear_kernel_choices()
+    out = flashtile.attention(*leaves, causal=causal)  # a measured backward returns its choice's bits
+    measured = torch.autograd.grad(out, leaves, dout)
+    [own] = [own for direction, own in _chosen(module) if direction == "backward"]
+    assert all(torch.equal(a, b) for a, b in zip(measured, grads[own]))
+
+
+@needs_build
+def test_deterministic_cpu_calls_take_the_own_kernel_by_rule_and_measure_nothing(monkeypatch):
+    """In deterministic mode no timing decides the kernel: the own kernel's bits, whatever was chosen for the kind,
+    and no kind is measured."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    module = host.extension()
+    leaves = _cpu_leaves((1, 64, 64, 4, 4, 32, False, torch.float32), seed=7)
+    q, k, v = (t.detach() for t in leaves)
+    module.clear_kernel_choices()
+    module.set_kernel_choice(q, k, False, False, False)
+    module.set_kernel_choice(q, k, False, True, False)
+    api.clear_calls()
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(8))
+    results = {}
+    for deterministic in (True, False):
+        out = flashtile.attention(*leaves, deterministic=deterministic)
+        results[deterministic] = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+    assert torch.equal(results[True][0], module.own_forward(q, k, v, 32 ** -0.5, False)[0])
+    assert torch.equal(results[False][0], _torchs_kernel(q, k, v, False)[0])
+    own_grads = module.own_backward(dout, q, k, v, results[True][0], module.own_forward(q, k, v, 32 ** -0.5, False)[1],
+                                    None, 32 ** -0.5, False)
+    assert all(torch.equal(a, b) for a, b in zip(results[True][1:], own_grads))
+    assert _chosen(module) == {("forward", False), ("backward", False)}  # the two set, nothing measured
+
+
+@needs_build
+@pytest.mark.parametrize("where", ["k", "q"])
+def test_a_kind_chosen_for_torchs_kernel_still_keeps_the_nan_rules(monkeypatch, where):
+    """torch's kernel cannot show a NaN as flashtile's rules want; where it was chosen, a NaN input takes the own
+    kernel: the same output, LSE and gradients as the deterministic (own kernel) call, NaN for NaN."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    module = host.extension()
+    leaves = _cpu_leaves((1, 48, 48, 2, 2, 16, True, torch.float32), seed=9)
+    with torch.no_grad():
+        (leaves[1] if where == "k" else leaves[0])[0, 5, 1, 3] = float("nan")
+    module.clear_kernel_choices()
+    module.set_kernel_choice(leaves[0], leaves[1], True, False, False)
+    module.set_kernel_choice(leaves[0], leaves[1], True, True, False)
+    api.clear_calls()
+    dout = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(10))
+    results = []
+    for deterministic in (False, True):
+        out = flashtile.attention(*leaves, causal=True, deterministic=deterministic)
+        results.append((out.detach(), *torch.autograd.grad(out, leaves, dout)))
+    assert results[0][0].isnan().any() and not results[0][0].isnan().all()
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
 @needs_build
 def test_the_own_kernel_leaves_to_torchs_kernel_what_it_measured_slower_at(monkeypatch):
     """host.cpp's limits. The small-problem path: not too few queries to spread each head's copy of K and V over
@@ -866,9 +972,9 @@ def test_keep_hands_each_kind_of_call_to_its_table(monkeypatch):
     monkeypatch.setattr(host, "_suspended", False)
     q = torch.zeros(1, 2, 1, 8)
     options = (True, None, (-1, -1), 0.0, False, False, "auto")
-    cpu = host.CpuKernel(None, None, None, 0.5, True)
+    cpu = host.CpuKernel(None, None, None, 0.5, True, True)
     forward = object()
     host.keep(q, q, q, options, types.SimpleNamespace(host=None), False)
     host.keep(q, q, q, options, types.SimpleNamespace(host=cpu), False)
     host.keep(q, q, q, options, types.SimpleNamespace(host=forward), True)
-    assert kept == [("cpu", 0.5, True, False), ("cuda", forward, True)]
+    assert kept == [("cpu", 0.5, True, True, False), ("cuda", forward, True)]

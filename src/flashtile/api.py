@@ -275,7 +275,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=NO_WINDO
     call = dispatch.planned_call(problem, rung, deterministic, grad)
     kept = call
     if call is None:
-        cpu_kernel = host.cpu_kernel_of(problem) if q.is_cpu and rung == "auto" else None
+        cpu_kernel = host.cpu_kernel_of(problem, deterministic) if q.is_cpu and rung == "auto" else None
         call = dispatch.GeneralCall(problem, deterministic, rung, cpu_kernel, return_lse)
         # The CPU's general call is kept too, without this call's operands; on CUDA a general call may only mean
         # that these operands were misaligned, and the next call's may not be.

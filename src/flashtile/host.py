@@ -130,7 +130,7 @@ def keep(q, k, v, options: tuple, call, return_lse: bool) -> None:
     if table is None or call.host is None:
         return
     if isinstance(call.host, CpuKernel):
-        table.keep_cpu(q, k, v, options, call.host.scale, call.host.causal, return_lse)
+        table.keep_cpu(q, k, v, options, call.host.scale, call.host.causal, call.host.tuned, return_lse)
     else:
         table.keep_cuda(q, k, v, options, call.host, return_lse)
 
@@ -267,22 +267,24 @@ def forward_of(plan: plans.FwdPlan, backward_plan: plans.BwdPlan | None, device:
 
 class CpuKernel(NamedTuple):
     """The C++ calls of the CPU kernels for one problem's options: host.cpp's own kernel for small problems,
-    torch's elsewhere. Each returns None where torch's kernel would take an input that is not finite, and the
-    backward where it would take a gradient of the LSE (the general path's rules then serve); the own kernel
-    takes both."""
+    torch's elsewhere, and where both serve, the faster for the kind of problem, measured on its first call
+    (host.cpp's KernelChoices; not in deterministic mode, where the own kernel runs). Each returns None where
+    torch's kernel would take an input that is not finite, and the backward where it would take a gradient of the
+    LSE (the general path's rules then serve); the own kernel takes both."""
 
     forward: Callable    # (q, k, v) -> (out, lse)
     backward: Callable   # (dout, q, k, v, out, lse, dlse or None) -> (dq, dk, dv)
     train: Callable      # (q, k, v) -> (out, lse), out carrying the C++ node whose backward is the kernel's
     scale: float         # the options they were made for
     causal: bool
+    tuned: bool          # whether the faster kernel is measured (not in deterministic mode)
 
 
-def cpu_kernel_of(problem) -> CpuKernel | None:
+def cpu_kernel_of(problem, deterministic: bool = False) -> CpuKernel | None:
     """The C++ calls of the CPU kernels for a CPU problem one of them computes as flashtile defines it (host.cpp's
     own kernel for small problems and decoding's few queries, any causal shape; torch's where the problem is
     square under a causal mask), or None where the general path serves every call: no extension, or neither
-    kernel serves the problem."""
+    kernel serves the problem. `deterministic`: the kernel is chosen by rule, never by a timing."""
     q, k, v = problem.q, problem.k, problem.v
     left, right = problem.window
     if problem.varlen or not cpu_kernel.serves(q, k, v, left, right, problem.softcap, problem.alibi_slopes):
@@ -293,8 +295,8 @@ def cpu_kernel_of(problem) -> CpuKernel | None:
     # torch's kernel's causal mask is top-left aligned: it serves square problems only
     if right == 0 and q.shape[1] != k.shape[1] and not module.own_kernel_serves(q, k, v, True):
         return None
-    scale, causal = problem.scale, right == 0
-    return CpuKernel(lambda q, k, v: module.cpu_forward(q, k, v, scale, causal),
+    scale, causal, tuned = problem.scale, right == 0, not deterministic
+    return CpuKernel(lambda q, k, v: module.cpu_forward(q, k, v, scale, causal, tuned),
                      lambda dout, q, k, v, out, lse, dlse: module.cpu_backward(dout, q, k, v, out, lse, dlse, scale,
-                                                                              causal),
-                     lambda q, k, v: module.cpu_train(q, k, v, scale, causal), scale, causal)
+                                                                              causal, tuned),
+                     lambda q, k, v: module.cpu_train(q, k, v, scale, causal, tuned), scale, causal, tuned)

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -2178,7 +2179,8 @@ FT_KERNEL_OPTIONS void decode_backward_typed(const at::Tensor& dout_, const at::
 // not) or a GQA group shares each kv head's copy of K and V; at most kOwnSeqlen keys; at least kOwnMinQueries
 // queries, over which each head's copy of its keys and values is spread; and at most kOwnKeyValues elements of K
 // (batch x seqlen_k x heads_kv x head_dim), past which those copies stream from memory (b8 h32 q16 k128 d128 ran
-// at 0.73x torch's kernel).
+// at 0.73x torch's kernel). Those limits were measured on an AMD EPYC; where torch's kernel also serves, the call
+// takes whichever of the two measures faster on the machine it runs on (KernelChoices, below).
 constexpr int64_t kOwnWork = int64_t{1} << 20;
 constexpr int64_t kOwnWideWork = int64_t{1} << 22;
 constexpr int64_t kOwnSeqlen = 256;
@@ -2271,16 +2273,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> own_backward(const at::Tensor& do
 }
 
 // torch's CPU FlashAttention kernel on (b, s, h, d) operands where it computes flashtile's definition (no softcap,
-// ALiBi or window; causal only when seqlen_q == seqlen_k: the caller decides): a contiguous (b, s_q, h_q, d) output
+// ALiBi or window; causal only when seqlen_q == seqlen_k: torch_kernel_masks): a contiguous (b, s_q, h_q, d) output
 // (the kernel writes that layout) and an fp32 (b, h_q, s_q) LSE laid out as the kernel writes it, over
 // (b, s_q, h_q) memory, which its backward reads as it is. None when an input holds a NaN or an Inf: the kernel's
 // outputs do not show them as flashtile's rules want (often not at all: a finite LSE for a row that read a NaN
-// in q), and the Python path applies the rules. So k and v are checked before the call; q by the LSE after it
-// (rows_finite), since a row that read a non-finite query always shows there.
-std::optional<std::tuple<at::Tensor, at::Tensor>> kernel_forward(const at::Tensor& q, const at::Tensor& k,
-                                                                 const at::Tensor& v, double scale, bool causal) {
-  if (own_kernel_serves(q, k, v, causal)) return own_forward(q, k, v, scale, causal);
-  require(!causal || q.size(1) == k.size(1), "flashtile: torch's CPU kernel masks square problems only");
+// in q), and the Python path or the own kernel applies the rules. So k and v are checked before the call; q by the
+// LSE after it (rows_finite), since a row that read a non-finite query always shows there.
+std::optional<std::tuple<at::Tensor, at::Tensor>> torch_forward(const at::Tensor& q, const at::Tensor& k,
+                                                                const at::Tensor& v, double scale, bool causal) {
   if (!finite(k) || !finite(v)) return std::nullopt;
   // Below autograd's dispatch: nothing here is recorded (the callers switch gradients off), and a view or a
   // kernel then skips autograd's and the view tracker's layers. Safe because nothing here writes in place, and
@@ -2293,20 +2293,11 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> kernel_forward(const at::Tenso
   return std::make_tuple(out.transpose(1, 2).contiguous(), lse.to(at::kFloat));
 }
 
-// kernel_forward as cpu_kernel.forward returns it, the LSE contiguous (it may reach the caller).
-std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& q, const at::Tensor& k,
-                                                               const at::Tensor& v, double scale, bool causal) {
-  auto result = kernel_forward(q, k, v, scale, causal);
-  if (result) std::get<1>(*result) = std::get<1>(*result).contiguous();
-  return result;
-}
-
-// The kernel's backward for what cpu_forward returned: contiguous (dq, dk, dv) shaped like q, k, v.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(at::Tensor dout, const at::Tensor& q, const at::Tensor& k,
-                                                               const at::Tensor& v, const at::Tensor& out,
-                                                               const at::Tensor& lse, double scale, bool causal) {
-  if (own_kernel_serves(q, k, v, causal)) return own_backward(dout, q, k, v, out, lse, at::Tensor(), scale, causal);
-  at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in cpu_forward
+// torch's backward for finite inputs: contiguous (dq, dk, dv) shaped like q, k, v.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> torch_backward(at::Tensor dout, const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& v, const at::Tensor& out,
+                                                              const at::Tensor& lse, double scale, bool causal) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in torch_forward
   if (dout.stride(-1) != 1) dout = dout.contiguous();
   const at::Tensor lse_accum = lse.to(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
@@ -2315,25 +2306,210 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(at::Tensor dout, 
   return {dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(), dv.transpose(1, 2).contiguous()};
 }
 
-// cpu_kernel.backward's square case, for ops.Attention's node: None when k or v is not finite or the forward's LSE
-// shows a row that read a non-finite query (that node does not know which path its forward took: the Python path
-// gives such a row a NaN LSE, torch's kernel never served it), or where the loss uses the LSE (dlse given), which
-// torch's kernel has no term for. The own kernel takes both.
-std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> cpu_backward(
-    at::Tensor dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, std::optional<at::Tensor> dlse, double scale, bool causal) {
-  if (own_kernel_serves(q, k, v, causal)) {
-    return own_backward(dout, q, k, v, out, lse, dlse ? *dlse : at::Tensor(), scale, causal);
-  }
-  if (dlse || !finite(k) || !finite(v) || !rows_finite(lse)) return std::nullopt;
-  return kernel_backward(std::move(dout), q, k, v, out, lse, scale, causal);
+// torch's kernel masks as flashtile does (bottom-right) only where the two agree: square problems.
+bool torch_kernel_masks(const at::Tensor& q, const at::Tensor& k, bool causal) {
+  return !causal || q.size(1) == k.size(1);
 }
 
-// The node of a CPU kernel call in training: recorded only after cpu_forward took the kernel, so its backward
-// takes it too. Its one output is out: calls whose LSE is returned keep ops.Attention, where dLSE has a path.
+// ---- The faster of two kernels, measured on first use -------------------------------------------------------
+
+// Where the own kernel's small-problem path and torch's kernel both serve a problem, which is faster depends on
+// the CPU and on torch's BLAS (notes.md, "Issue 14 on an Intel CPU"): on an AMD EPYC the own kernel led up to its
+// limits, on an Intel Xeon (MKL's fast paths, AMX for bf16) torch's kernel led at fp32 sizes from 2^20
+// multiply-adds a head and in the bf16 forward, while the own kernel still led at the smallest sizes and in the
+// bf16 causal backward. So the first call of each kind of problem (a ChoiceKey: dtype, mask, GQA group, sizes by
+// octave, head dim, pass, threads) runs both in turn, for at least kChoiceRounds rounds and until each has run
+// kChoiceSeconds in all (at most kChoiceMaxRounds rounds), and that kind then takes the one with the shorter median
+// time for the rest of the process: on a shared 2-core machine two rounds chose the slower kernel at 2^20. The measuring call returns the chosen kernel's result, so that every call of a
+// kind gives the same bits. In deterministic mode (`tuned` false) the own kernel runs whatever the timings, so
+// that bits never depend on a measurement.
+constexpr int kChoiceRounds = 3;
+constexpr int kChoiceMaxRounds = 64;
+constexpr double kChoiceSeconds = 0.01;
+
+// Runs the two calls in turn, as above; whether the first's median time is the shorter. Not the best time: torch's
+// kernel at the smallest sizes runs in two modes, and its best single call (21 us against the own kernel's 22 at
+// b1 h8 n32 d64 bf16 causal) hid a median of 38 us against 31.
+template <class First, class Second>
+bool first_faster(First&& first, Second&& second) {
+  std::vector<double> seconds[2];
+  double total = 0.0;
+  for (int round = 0; round < kChoiceMaxRounds && (round < kChoiceRounds || total < 2 * kChoiceSeconds); ++round) {
+    for (int i = 0; i < 2; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      if (i == 0) first(); else second();
+      seconds[i].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      total += seconds[i].back();
+    }
+  }
+  for (auto& s : seconds) std::nth_element(s.begin(), s.begin() + s.size() / 2, s.end());
+  return seconds[0][seconds[0].size() / 2] <= seconds[1][seconds[1].size() / 2];
+}
+
+enum class Pass : int64_t { forward, backward };
+
+struct ChoiceKey {
+  std::array<int64_t, 9> fields;
+  bool operator==(const ChoiceKey& other) const { return fields == other.fields; }
+};
+
+struct ChoiceKeyHash {
+  size_t operator()(const ChoiceKey& key) const {
+    size_t h = 0;
+    for (int64_t x : key.fields) h = h * 1000003u ^ static_cast<size_t>(x);
+    return h;
+  }
+};
+
+int64_t octave(int64_t n) { return 64 - __builtin_clzll(static_cast<uint64_t>(std::max<int64_t>(n, 1))); }
+
+ChoiceKey choice_key(const at::Tensor& q, const at::Tensor& k, bool causal, Pass pass) {
+  return {{static_cast<int64_t>(q.scalar_type()), causal, octave(q.size(2) / k.size(2)), octave(q.size(0) * q.size(2)),
+           octave(q.size(1)), octave(k.size(1)), q.size(3), static_cast<int64_t>(pass), at::get_num_threads()}};
+}
+
+class KernelChoices {
+ public:
+  // true: the own kernel; false: torch's; none: not measured yet.
+  std::optional<bool> own(const ChoiceKey& key) {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto found = choices.find(key);
+    if (found == choices.end()) return std::nullopt;
+    return found->second;
+  }
+
+  void set(const ChoiceKey& key, bool own) {
+    std::lock_guard<std::mutex> lock(mutex);
+    choices.insert_or_assign(key, own);
+  }
+
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex);
+    choices.clear();
+  }
+
+  // (key fields, own) for each kind measured, for tests and `flashtile explain`-like inspection.
+  std::vector<std::pair<std::vector<int64_t>, bool>> items() {
+    std::lock_guard<std::mutex> lock(mutex);
+    std::vector<std::pair<std::vector<int64_t>, bool>> result;
+    for (const auto& [key, own] : choices) result.emplace_back(std::vector<int64_t>(key.fields.begin(), key.fields.end()), own);
+    return result;
+  }
+
+ private:
+  std::mutex mutex;
+  std::unordered_map<ChoiceKey, bool, ChoiceKeyHash> choices;
+};
+
+KernelChoices& kernel_choices() {
+  static KernelChoices choices;
+  return choices;
+}
+
+// The forward of a problem both kernels serve, by the faster for its kind (measuring it on first use).
+std::tuple<at::Tensor, at::Tensor> chosen_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  double scale, bool causal) {
+  const ChoiceKey key = choice_key(q, k, causal, Pass::forward);
+  const std::optional<bool> own = kernel_choices().own(key);
+  if (own && *own) return own_forward(q, k, v, scale, causal);
+  if (own) {
+    auto result = torch_forward(q, k, v, scale, causal);
+    return result ? *result : own_forward(q, k, v, scale, causal);  // not finite: the own kernel keeps the rules
+  }
+  if (!finite(k) || !finite(v)) return own_forward(q, k, v, scale, causal);  // nothing to learn about the kind
+  std::tuple<at::Tensor, at::Tensor> own_result;
+  std::optional<std::tuple<at::Tensor, at::Tensor>> torch_result;
+  bool finite_inputs = true;  // false once torch_forward finds a non-finite query
+  const bool own_wins = first_faster([&] { own_result = own_forward(q, k, v, scale, causal); },
+                                     [&] {
+                                       if (finite_inputs) torch_result = torch_forward(q, k, v, scale, causal);
+                                       finite_inputs = torch_result.has_value();
+                                     });
+  if (!finite_inputs) return own_result;
+  kernel_choices().set(key, own_wins);
+  return own_wins ? own_result : *torch_result;
+}
+
+// The backward of a problem both kernels serve, by the faster for its kind. The forward may have been either
+// kernel's, so torch's backward runs only on inputs it proves finite (as cpu_backward's callers would).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> chosen_backward(const at::Tensor& dout, const at::Tensor& q,
+                                                               const at::Tensor& k, const at::Tensor& v,
+                                                               const at::Tensor& out, const at::Tensor& lse,
+                                                               double scale, bool causal) {
+  const ChoiceKey key = choice_key(q, k, causal, Pass::backward);
+  const std::optional<bool> own = kernel_choices().own(key);
+  if ((own && *own) || !finite(k) || !finite(v) || !rows_finite(lse)) {
+    return own_backward(dout, q, k, v, out, lse, at::Tensor(), scale, causal);
+  }
+  if (own) return torch_backward(dout, q, k, v, out, lse, scale, causal);
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> own_result, torch_result;
+  const bool own_wins =
+      first_faster([&] { own_result = own_backward(dout, q, k, v, out, lse, at::Tensor(), scale, causal); },
+                   [&] { torch_result = torch_backward(dout, q, k, v, out, lse, scale, causal); });
+  kernel_choices().set(key, own_wins);
+  return own_wins ? own_result : torch_result;
+}
+
+// ---- The CPU kernel calls: forward, backward, and the training node ----------------------------------------
+
+// Whether both kernels serve (q, k, v) and the choice between them is measured.
+bool choice_measured(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, bool tuned) {
+  return tuned && own_small_serves(q, k, v, causal) && torch_kernel_masks(q, k, causal);
+}
+
+// (out, lse) by the kernel that serves the problem (the own kernel's, torch's, or the faster of both); None as
+// torch_forward's where only torch's kernel serves.
+std::optional<std::tuple<at::Tensor, at::Tensor>> kernel_forward(const at::Tensor& q, const at::Tensor& k,
+                                                                 const at::Tensor& v, double scale, bool causal,
+                                                                 bool tuned) {
+  if (choice_measured(q, k, v, causal, tuned)) return chosen_forward(q, k, v, scale, causal);
+  if (own_kernel_serves(q, k, v, causal)) return own_forward(q, k, v, scale, causal);
+  require(torch_kernel_masks(q, k, causal), "flashtile: torch's CPU kernel masks square problems only");
+  return torch_forward(q, k, v, scale, causal);
+}
+
+// kernel_forward as cpu_kernel.forward returns it, the LSE contiguous (it may reach the caller).
+std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v, double scale, bool causal,
+                                                               bool tuned) {
+  auto result = kernel_forward(q, k, v, scale, causal, tuned);
+  if (result) std::get<1>(*result) = std::get<1>(*result).contiguous();
+  return result;
+}
+
+// The backward for what kernel_forward returned: contiguous (dq, dk, dv) shaped like q, k, v. Where only torch's
+// kernel serves, its forward ran and proved the inputs finite.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(const at::Tensor& dout, const at::Tensor& q,
+                                                               const at::Tensor& k, const at::Tensor& v,
+                                                               const at::Tensor& out, const at::Tensor& lse,
+                                                               double scale, bool causal, bool tuned) {
+  if (choice_measured(q, k, v, causal, tuned)) return chosen_backward(dout, q, k, v, out, lse, scale, causal);
+  if (own_kernel_serves(q, k, v, causal)) return own_backward(dout, q, k, v, out, lse, at::Tensor(), scale, causal);
+  return torch_backward(dout, q, k, v, out, lse, scale, causal);
+}
+
+// cpu_kernel.backward's square case, for ops.Attention's node: None when only torch's kernel serves and k or v is
+// not finite or the forward's LSE shows a row that read a non-finite query (that node does not know which path its
+// forward took: the Python path gives such a row a NaN LSE, torch's kernel never served it), or where the loss
+// uses the LSE (dlse given), which torch's kernel has no term for. The own kernel takes both.
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> cpu_backward(
+    at::Tensor dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, std::optional<at::Tensor> dlse, double scale, bool causal, bool tuned) {
+  if (own_kernel_serves(q, k, v, causal)) {
+    if (dlse) return own_backward(dout, q, k, v, out, lse, *dlse, scale, causal);
+    return kernel_backward(dout, q, k, v, out, lse, scale, causal, tuned);
+  }
+  if (dlse || !finite(k) || !finite(v) || !rows_finite(lse)) return std::nullopt;
+  return torch_backward(std::move(dout), q, k, v, out, lse, scale, causal);
+}
+
+// The node of a CPU kernel call in training: recorded only after kernel_forward served the call, so its backward
+// takes the kernels too. Its one output is out: calls whose LSE is returned keep ops.Attention, where dLSE has a
+// path.
 struct CpuAttentionBackward : SavedOperands {
   double scale = 0.0;
   bool causal = false;
+  bool tuned = true;
 
   std::string name() const override { return "flashtile::CpuAttentionBackward"; }
 
@@ -2343,7 +2519,8 @@ struct CpuAttentionBackward : SavedOperands {
     bool recorded = at::GradMode::is_enabled() && dout.requires_grad();
     auto [dq, dk, dv] = [&] {
       at::AutoGradMode off(false);
-      return kernel_backward(dout, q.unpack(), k.unpack(), v.unpack(), out.unpack(), lse.unpack(), scale, causal);
+      return kernel_backward(dout, q.unpack(), k.unpack(), v.unpack(), out.unpack(), lse.unpack(), scale, causal,
+                             tuned);
     }();
     return recorded ? refused_twice({dq, dk, dv}) : variable_list{dq, dk, dv};
   }
@@ -2351,10 +2528,11 @@ struct CpuAttentionBackward : SavedOperands {
 
 // kernel_forward with that node on out (and lse without history, never returned); None as kernel_forward.
 std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_train(const at::Tensor& q, const at::Tensor& k,
-                                                             const at::Tensor& v, double scale, bool causal) {
+                                                             const at::Tensor& v, double scale, bool causal,
+                                                             bool tuned) {
   auto result = [&] {
     at::AutoGradMode off(false);
-    return kernel_forward(q, k, v, scale, causal);
+    return kernel_forward(q, k, v, scale, causal, tuned);
   }();
   if (!result) return std::nullopt;
   auto& [out, lse] = *result;
@@ -2362,6 +2540,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_train(const at::Tensor& q,
   auto* attention = static_cast<CpuAttentionBackward*>(node.get());
   attention->scale = scale;
   attention->causal = causal;
+  attention->tuned = tuned;
   attention->save(q, k, v, out, lse);
   torch::autograd::set_history(out, node);
   return result;
@@ -2435,6 +2614,7 @@ struct KeptCall {
   std::shared_ptr<Forward> cuda;    // a planned CUDA call's host path; null: torch's CPU kernel
   double scale = 0.0;               // the CPU kernel's options
   bool causal = false;
+  bool tuned = true;
   bool return_lse = false;
 };
 
@@ -2459,8 +2639,8 @@ class KeptCalls {
       if (addresses % kAlignBytes) return py::none();
       result = o.signature.grad ? call.cuda->train(o.q, o.k, o.v) : call.cuda->run(o.q, o.k, o.v);
     } else {
-      auto cpu = o.signature.grad ? cpu_train(o.q, o.k, o.v, call.scale, call.causal)
-                                  : kernel_forward(o.q, o.k, o.v, call.scale, call.causal);
+      auto cpu = o.signature.grad ? cpu_train(o.q, o.k, o.v, call.scale, call.causal, call.tuned)
+                                  : kernel_forward(o.q, o.k, o.v, call.scale, call.causal, call.tuned);
       if (!cpu) return py::none();
       if (call.return_lse) std::get<1>(*cpu) = std::get<1>(*cpu).contiguous();
       result = std::make_pair(std::get<0>(*cpu), std::get<1>(*cpu));
@@ -2503,6 +2683,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return own_backward(dout, q, k, v, out, lse, dlse ? *dlse : at::Tensor(), scale, causal);
   });
   m.def("set_poison", [](bool on) { poison_outputs = on; });
+  m.def("kernel_choices", [] { return kernel_choices().items(); });
+  m.def("clear_kernel_choices", [] { kernel_choices().clear(); });
+  m.def("set_kernel_choice", [](const at::Tensor& q, const at::Tensor& k, bool causal, bool backward, bool own) {
+    kernel_choices().set(choice_key(q, k, causal, backward ? Pass::backward : Pass::forward), own);
+  });
   py::class_<Backward, std::shared_ptr<Backward>>(m, "Backward").def("run", &Backward::run);
   py::class_<Forward, std::shared_ptr<Forward>>(m, "Forward").def("run", &Forward::run).def("train", &Forward::train);
   py::class_<KeptCalls>(m, "KeptCalls")
@@ -2511,12 +2696,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("keep_cuda",
            [](KeptCalls& self, py::handle q, py::handle k, py::handle v, py::object options,
               std::shared_ptr<Forward> forward, bool return_lse) {
-             self.keep(q, k, v, std::move(options), KeptCall{py::none(), std::move(forward), 0.0, false, return_lse});
+             self.keep(q, k, v, std::move(options),
+                       KeptCall{py::none(), std::move(forward), 0.0, false, true, return_lse});
            })
       .def("keep_cpu",
            [](KeptCalls& self, py::handle q, py::handle k, py::handle v, py::object options, double scale,
-              bool causal, bool return_lse) {
-             self.keep(q, k, v, std::move(options), KeptCall{py::none(), nullptr, scale, causal, return_lse});
+              bool causal, bool tuned, bool return_lse) {
+             self.keep(q, k, v, std::move(options), KeptCall{py::none(), nullptr, scale, causal, tuned, return_lse});
            })
       .def("clear", &KeptCalls::clear)
       .def("__len__", &KeptCalls::size);
