@@ -429,11 +429,11 @@ def test_where_both_cpu_kernels_serve_the_faster_is_measured_once_and_kept(monke
     api.clear_calls()
     with torch.no_grad():
         first = flashtile.attention(q, k, v, causal=causal)
-    [(direction, own)] = _chosen(module)
-    assert direction == "forward" and torch.equal(first, by_kernel[own])
+    [(direction, forward_own)] = _chosen(module)
+    assert direction == "forward" and torch.equal(first, by_kernel[forward_own])
     with torch.no_grad():
         assert torch.equal(flashtile.attention(q, k, v, causal=causal), first)  # the kept call, in C++
-    for own in (not own, own):
+    for own in (not forward_own, forward_own):
         module.set_kernel_choice(q, k, causal, False, own)
         with torch.no_grad():
             assert torch.equal(flashtile.attention(q, k, v, causal=causal), by_kernel[own])
@@ -449,6 +449,7 @@ def test_where_both_cpu_kernels_serve_the_faster_is_measured_once_and_kept(monke
     for a, b in zip(grads[True], grads[False]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     module.clear_kernel_choices()
+    module.set_kernel_choice(q, k, causal, False, forward_own)  # the forward as above: the backward reads its bits
     out = flashtile.attention(*leaves, causal=causal)  # a measured backward returns its choice's bits
     measured = torch.autograd.grad(out, leaves, dout)
     [own] = [own for direction, own in _chosen(module) if direction == "backward"]

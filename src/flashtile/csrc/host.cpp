@@ -2179,8 +2179,8 @@ FT_KERNEL_OPTIONS void decode_backward_typed(const at::Tensor& dout_, const at::
 // not) or a GQA group shares each kv head's copy of K and V; at most kOwnSeqlen keys; at least kOwnMinQueries
 // queries, over which each head's copy of its keys and values is spread; and at most kOwnKeyValues elements of K
 // (batch x seqlen_k x heads_kv x head_dim), past which those copies stream from memory (b8 h32 q16 k128 d128 ran
-// at 0.73x torch's kernel). Those limits were measured on an AMD EPYC; where torch's kernel also serves, the call
-// takes whichever of the two measures faster on the machine it runs on (KernelChoices, below).
+// at 0.73x torch's kernel). Where torch's kernel also serves, the call takes whichever of the two measures faster
+// on the machine it runs on (KernelChoices, below).
 constexpr int64_t kOwnWork = int64_t{1} << 20;
 constexpr int64_t kOwnWideWork = int64_t{1} << 22;
 constexpr int64_t kOwnSeqlen = 256;
@@ -2314,25 +2314,21 @@ bool torch_kernel_masks(const at::Tensor& q, const at::Tensor& k, bool causal) {
 // ---- The faster of two kernels, measured on first use -------------------------------------------------------
 
 // Where the own kernel's small-problem path and torch's kernel both serve a problem, which is faster depends on
-// the CPU and on torch's BLAS (notes.md, "Issue 14 on an Intel CPU"): on an AMD EPYC the own kernel led up to its
-// limits, on an Intel Xeon (MKL's fast paths, AMX for bf16) torch's kernel led at fp32 sizes from 2^20
-// multiply-adds a head and in the bf16 forward, while the own kernel still led at the smallest sizes and in the
-// bf16 causal backward. So the first call of each kind of problem (a ChoiceKey: dtype, mask, GQA group, sizes by
-// octave, head dim, pass, threads) runs both in turn, for at least kChoiceRounds rounds and until each has run
-// about kChoiceSeconds at its median time (at most kChoiceMaxRounds rounds), and that kind then takes the one with
-// the shorter median time for the rest of the process: on a shared 2-core machine two rounds chose the slower
-// kernel at 2^20. The measuring call returns the chosen kernel's result, so that every call of a
-// kind gives the same bits. In deterministic mode (`tuned` false) the own kernel runs whatever the timings, so
-// that bits never depend on a measurement.
+// the CPU and on torch's BLAS (notes.md, "Issue 14 on an Intel CPU" and session thirty-four): the own kernel's
+// limits were set where it led, and on another CPU torch's kernel led inside them. So the first call of each kind
+// of problem (a ChoiceKey: dtype, mask, GQA group, sizes by octave, head dim, pass, threads) runs both in turn,
+// for at least kChoiceRounds rounds and until each has run about kChoiceSeconds at its median time (at most
+// kChoiceMaxRounds rounds), and that kind then takes the one with the shorter median time for the rest of the
+// process. The measuring call returns the chosen kernel's result, so that every call of a kind gives the same
+// bits. In deterministic mode (`tuned` false) the own kernel runs whatever the timings, so that bits never depend
+// on a measurement.
 constexpr int kChoiceRounds = 5;
 constexpr int kChoiceMaxRounds = 64;
 constexpr double kChoiceSeconds = 0.01;
 
 // Runs the two calls in turn, as above, after one untimed call of each (a process's first call of torch's kernel
-// sets its kernels up: 16 ms where later calls take 0.12; timed, such calls spent the time and the measurement
-// chose the own kernel at b1 h8 n128 d64 bf16 causal, 1.5x slower); whether the first's median time is the
-// shorter. Not the best time: torch's kernel at the smallest sizes runs in two modes, and its best single call
-// (21 us against the own kernel's 22 at b1 h8 n32 d64 bf16 causal) hid a median of 38 us against 31.
+// sets its kernels up, many times a later call's time); whether the first's median time is the shorter. The median,
+// not the best time: torch's kernel at the smallest sizes runs in two modes, and its best call hides its usual one.
 template <class First, class Second>
 bool first_faster(First&& first, Second&& second) {
   first();
@@ -2396,11 +2392,13 @@ class KernelChoices {
     choices.clear();
   }
 
-  // (key fields, own) for each kind measured, for tests and `flashtile explain`-like inspection.
+  // (key fields, own) for each kind measured: what the tests inspect.
   std::vector<std::pair<std::vector<int64_t>, bool>> items() {
     std::lock_guard<std::mutex> lock(mutex);
     std::vector<std::pair<std::vector<int64_t>, bool>> result;
-    for (const auto& [key, own] : choices) result.emplace_back(std::vector<int64_t>(key.fields.begin(), key.fields.end()), own);
+    for (const auto& [key, own] : choices) {
+      result.emplace_back(std::vector<int64_t>(key.fields.begin(), key.fields.end()), own);
+    }
     return result;
   }
 
