@@ -322,10 +322,13 @@ def _schedule(m_blocks, heads, blocks, unit_tiles, run, paired=False):
     def work_of(b, at):
         if at < 2 * units:
             unit, part = divmod(at, 2)
-            j = unit % unit_blocks
+            first = unit // blocks * blocks
+            width = min(blocks, units - first)
+            tile_unit = unit if paired else first + (unit - first + unit // blocks) % width
+            j = tile_unit % unit_blocks
             second = part == 0 and paired and 2 * j + 1 != m_blocks
             query_block = m_blocks - 1 - j if part == 0 else j
-            return (unit, query_block, 0, unit_tiles), settle(b, at + 1 if second else 2 * min(unit + blocks, units))
+            return (tile_unit, query_block, 0, unit_tiles), settle(b, at + 1 if second else 2 * min(unit + blocks, units))
         t, end = at - 2 * units, min((b + 1) * run, (units - unit0) * unit_tiles)
         u, first = divmod(t, unit_tiles)
         count = min(end - t, unit_tiles - first)
@@ -353,6 +356,17 @@ def test_rung5_schedule_runs_every_work_tile_once(m_blocks, heads, blocks, paire
     seen = sorted((unit // (units // heads), query_block) for mine in pieces.values()
                   for unit, query_block, first, count, _ in mine)
     assert seen == [(h, m) for h in range(heads) for m in range(m_blocks)]
+
+
+@pytest.mark.parametrize("m_blocks,heads,blocks", [(6, 512, 132), (22, 128, 132), (6, 100, 66)])
+def test_rung5_schedule_shares_the_short_query_blocks_out(m_blocks, heads, blocks):
+    """Without a mask, each head's short query block (block 0) lands on every block about as often: dealt out in
+    turn with blocks a multiple of m_blocks, a sixth of the blocks at d64 n1k would take them all."""
+    pieces = _schedule(m_blocks, heads, blocks, unit_tiles=8, run=0)
+    short = [sum(query_block == 0 for _, query_block, *_ in mine) for mine in pieces.values()]
+    tiles = [len(mine) for mine in pieces.values()]
+    assert sum(short) == heads and max(tiles) - min(tiles) <= 1
+    assert max(short) - min(short) <= 1 + max(tiles) // (m_blocks * 4)
 
 
 SPLITS = [(units, blocks, tiles) for blocks in (132, 7) for units in (140, 150, 263, 2048, 3 * blocks + 1)
