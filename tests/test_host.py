@@ -379,6 +379,35 @@ def test_the_own_kernel_matches_the_fp64_reference_with_the_lse_and_its_gradient
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
 
 
+TILE_CASES = [c for c in OWN_CASES if c[7] != torch.float64]  # fp64 has one tile family
+
+
+@needs_build
+@pytest.mark.parametrize("wide", [True, False], ids=["64-byte-tiles", "32-byte-tiles"])
+@pytest.mark.parametrize("case", TILE_CASES, ids=_own_ids(TILE_CASES))
+def test_both_product_tile_families_of_the_own_kernel_match_the_fp64_reference(case, wide):
+    """The own kernel's products run on 64-byte vector tiles where the machine has AVX-512 and on 32-byte ones
+    elsewhere (AVX2, NEON); each family is forced here, so that both run on any machine: out, LSE and the
+    gradients against fp64, as above."""
+    from flashtile import testing
+
+    module = host.extension()
+    batch, sq, sk, hq, hkv, d, causal, dtype = case
+    q, k, v = (t.detach() for t in _cpu_leaves(case, seed=4))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    module.force_wide_vectors(wide)
+    try:
+        assert module.wide_vectors() == wide
+        out, lse = module.own_forward(q, k, v, d ** -0.5, causal)
+        grads = module.own_backward(dout, q, k, v, out, lse, None, d ** -0.5, causal)
+    finally:
+        module.force_wide_vectors(None)
+    comparison = testing.compare(q, k, v, out, lse, causal=causal)
+    assert comparison.ok, comparison
+    grad_comparison = testing.compare_grads(q, k, v, dout, grads, causal=causal)
+    assert grad_comparison.ok, grad_comparison
+
+
 @needs_build
 @pytest.mark.parametrize("case", OWN_CASES[:4], ids=_own_ids(OWN_CASES[:4]))
 def test_the_own_kernels_training_call_records_the_cpu_node_and_reads_any_strides(monkeypatch, case):
