@@ -129,7 +129,8 @@ BUILD_TIMEOUT_S = 900
 def test_the_extension_builds_here(tmp_path):
     """The source compiles against this torch (CI's CPU build included), past a stale build marker, takes a plan's
     pieces and refuses bad ones with a Python error (a throwing bound constructor once killed the process on the
-    H200). In a fresh process: one process cannot load two builds of one extension name."""
+    H200). Built for the CPU vector width this machine does not take, so that both widths' kernels run against fp64
+    on any machine. In a fresh process: one process cannot load two builds of one extension name."""
     script = f"""
 import pytest
 from flashtile import host, launch
@@ -142,6 +143,22 @@ with pytest.raises(RuntimeError, match="params struct"):
     module.make_forward([], bytes(4096), 0, [], [], None, False, False, None, 0, 0)
 with pytest.raises(RuntimeError):
     module.make_forward([("not a launch",)], bytes(8), 0, [], [], None, False, False, None, 0, 0)
+assert module.vector_bytes() == host.cpu_vector_bytes()
+# The own kernel at this build's vector width (the other one than this machine's own builds take): its small-problem
+# path and its decode path against fp64, forward and backward.
+import torch
+from flashtile import testing
+for batch, sq, sk, hq, hkv, d, causal in [(2, 37, 37, 4, 2, 16, True), (1, 64, 64, 2, 2, 64, False),
+                                          (1, 45, 20, 4, 1, 24, True), (2, 3, 1100, 8, 2, 64, True)]:
+    g = torch.Generator().manual_seed(sk)
+    q, k, v = (torch.randn(batch, n, h, d, generator=g) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    dout = torch.randn(q.shape, generator=g)
+    assert module.own_kernel_serves(q, k, v, causal)
+    assert module.own_decode_serves(q, k, v, causal) == (sk == 1100)
+    out, lse = module.own_forward(q, k, v, d ** -0.5, causal)
+    assert testing.compare(q, k, v, out, lse, causal=causal).ok
+    grads = module.own_backward(dout, q, k, v, out, lse, None, d ** -0.5, causal)
+    assert testing.compare_grads(q, k, v, dout, grads, causal=causal).ok
 print("built", module.__file__)
 """
     # A killed build leaves torch's marker behind, which torch alone would wait on forever.
@@ -150,11 +167,29 @@ print("built", module.__file__)
         folder = host.build_dir()
     folder.mkdir(parents=True)
     (folder / host.TORCH_BUILD_MARKER).write_text("left by a killed build")
-    env = {**os.environ, "FLASHTILE_CACHE_DIR": str(tmp_path), host.MODE_ENV: "on"}
+    other_width = next(b for b in host.VECTOR_BYTES if b != host.cpu_vector_bytes())
+    env = {**os.environ, "FLASHTILE_CACHE_DIR": str(tmp_path), host.MODE_ENV: "on",
+           host.VECTOR_BYTES_ENV: str(other_width)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           timeout=BUILD_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"built {tmp_path}" in done.stdout
+
+
+def test_the_cpu_vector_width_follows_torchs_cpu_capability_and_names_the_build(monkeypatch):
+    monkeypatch.delenv(host.VECTOR_BYTES_ENV, raising=False)
+    for capability, width in (("AVX512", 64), ("AVX2", 32), ("DEFAULT", 32)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert host.cpu_vector_bytes() == width
+    folders = set()
+    for width in host.VECTOR_BYTES:
+        monkeypatch.setenv(host.VECTOR_BYTES_ENV, str(width))
+        assert host.cpu_vector_bytes() == width
+        folders.add(host.build_dir())
+    assert len(folders) == 2, "builds of both widths would share a folder"
+    monkeypatch.setenv(host.VECTOR_BYTES_ENV, "48")
+    with pytest.raises(ValueError, match=host.VECTOR_BYTES_ENV):
+        host.cpu_vector_bytes()
 
 
 # ---- torch's CPU kernel through the extension (GeneralCall.cpu_kernel) ----------------------------------------------
@@ -377,35 +412,6 @@ def test_the_own_kernel_matches_the_fp64_reference_with_the_lse_and_its_gradient
     with torch.no_grad():  # the kept call, found in the extension's table, gives the same
         again = flashtile.attention(*leaves, causal=causal, return_lse=True)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
-
-
-TILE_CASES = [c for c in OWN_CASES if c[7] != torch.float64]  # fp64 has one tile family
-
-
-@needs_build
-@pytest.mark.parametrize("wide", [True, False], ids=["64-byte-tiles", "32-byte-tiles"])
-@pytest.mark.parametrize("case", TILE_CASES, ids=_own_ids(TILE_CASES))
-def test_both_product_tile_families_of_the_own_kernel_match_the_fp64_reference(case, wide):
-    """The own kernel's products run on 64-byte vector tiles where the machine has AVX-512 and on 32-byte ones
-    elsewhere (AVX2, NEON); each family is forced here, so that both run on any machine: out, LSE and the
-    gradients against fp64, as above."""
-    from flashtile import testing
-
-    module = host.extension()
-    batch, sq, sk, hq, hkv, d, causal, dtype = case
-    q, k, v = (t.detach() for t in _cpu_leaves(case, seed=4))
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
-    module.force_wide_vectors(wide)
-    try:
-        assert module.wide_vectors() == wide
-        out, lse = module.own_forward(q, k, v, d ** -0.5, causal)
-        grads = module.own_backward(dout, q, k, v, out, lse, None, d ** -0.5, causal)
-    finally:
-        module.force_wide_vectors(None)
-    comparison = testing.compare(q, k, v, out, lse, causal=causal)
-    assert comparison.ok, comparison
-    grad_comparison = testing.compare_grads(q, k, v, dout, grads, causal=causal)
-    assert grad_comparison.ok, grad_comparison
 
 
 @needs_build

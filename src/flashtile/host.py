@@ -42,6 +42,12 @@ MODE_ENV = "FLASHTILE_HOST"
 MODES = ("auto", "on", "off")
 SOURCE = Path(__file__).parent / "csrc" / "host.cpp"
 COMPILE_FLAGS = ["-O2"]
+# The CPU kernels' vector width in bytes (host.cpp's kVectorBytes): 64 where torch finds AVX-512, else 32. Tiles of
+# 64-byte vectors need more registers than AVX2's sixteen of 32 bytes (or NEON's) hold and spill (notes.md, session
+# thirty-five). The width enters the build's flags, and so its folder's name: a cache shared by machines of both
+# kinds keeps a build for each. FLASHTILE_CPU_VECTOR_BYTES (32 or 64) overrides it (tests build the other width).
+VECTOR_BYTES_ENV = "FLASHTILE_CPU_VECTOR_BYTES"
+VECTOR_BYTES = (32, 64)
 # at::parallel_for is inline code: compiled without OpenMP it runs its whole range on the calling thread. Where
 # torch's own backend is OpenMP (its Linux builds) and the compiler is GCC (whose OpenMP needs nothing more
 # installed), the extension is compiled with it; the libgomp.so.1 it names is the one torch has loaded (the
@@ -144,6 +150,21 @@ def _compiler_is_gcc() -> bool:
     return GCC_SIGNATURE in done.stdout
 
 
+def cpu_vector_bytes() -> int:
+    """The vector width host.cpp's CPU kernels are built for here (VECTOR_BYTES_ENV, else torch's CPU capability)."""
+    value = os.environ.get(VECTOR_BYTES_ENV, "").strip()
+    if not value:
+        return 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
+    if value not in {str(b) for b in VECTOR_BYTES}:
+        raise ValueError(f"{VECTOR_BYTES_ENV} must be one of {', '.join(map(str, VECTOR_BYTES))}, got {value!r}")
+    return int(value)
+
+
+def _compile_flags() -> list[str]:
+    """A new list each call (as _openmp_flags): the optimisation level, the vector width, OpenMP's flag."""
+    return COMPILE_FLAGS + [f"-DFT_VECTOR_BYTES={cpu_vector_bytes()}"] + _openmp_flags()
+
+
 def _openmp_flags() -> list[str]:
     """A new list each call: torch's build appends to the lists it is given."""
     wanted = sys.platform.startswith("linux") and torch.backends.openmp.is_available() and _compiler_is_gcc()
@@ -157,7 +178,7 @@ def can_build() -> bool:
 
 
 def build_dir() -> Path:
-    flags = " ".join(COMPILE_FLAGS + _openmp_flags())
+    flags = " ".join(_compile_flags())
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     return jit.cache_dir() / "host" / digest
 
@@ -173,7 +194,7 @@ def _build() -> ModuleType:
     with FileLock(folder / "flashtile.lock", timeout=BUILD_LOCK_TIMEOUT_S):
         (folder / TORCH_BUILD_MARKER).unlink(missing_ok=True)
         return cpp_extension.load(f"flashtile_host_{folder.name}", [str(SOURCE)],
-                                  extra_cflags=COMPILE_FLAGS + _openmp_flags(), extra_ldflags=_openmp_flags(),
+                                  extra_cflags=_compile_flags(), extra_ldflags=_openmp_flags(),
                                   build_directory=str(folder), verbose=False)
 
 

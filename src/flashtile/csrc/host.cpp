@@ -570,22 +570,22 @@ bool rows_finite(const at::Tensor& lse) {
 #define FT_KERNEL_INLINE inline
 #endif
 
-// The products' register tiles, written with the compiler's vector types (GCC and Clang) so that every tile
-// compiles to the same plain loads, broadcasts and multiply-adds. With AVX-512: kWideRows x kWideCols where the
-// columns allow it, else kNarrowRows x kNarrowCols, eight 64-byte vectors of accumulators either way. Machines
-// with narrower registers (AVX2's sixteen of 32 bytes, NEON's) split each 64-byte vector, so those tiles would
-// need 16 or more registers of accumulators and spill: fp32 there takes kHalfRows x kHalfCols in 32-byte vectors,
-// eight of them again. Key counts and head dims are padded to kNarrowCols.
-constexpr int64_t kVectorBytes = 64;
-constexpr int64_t kHalfVectorBytes = kVectorBytes / 2;
+// The CPU kernels' register tiles, written with the compiler's vector types (GCC and Clang) so that every tile
+// compiles to the same plain loads, broadcasts and multiply-adds, in vectors of kVectorBytes: the build's choice
+// for the machine (host.py's cpu_vector_bytes, which also names the build's folder): 64 with AVX-512, else 32.
+// Machines with narrower registers split a wider vector, and tiles sized for 64-byte registers then need more
+// registers than AVX2's sixteen (or NEON's thirty-two) hold and spill. Products: with 64-byte vectors
+// kWideRows x kWideCols where the columns allow it, else kNarrowRows x kNarrowCols; with 32-byte ones kHalfRows x
+// kHalfCols; eight vectors of accumulators each. Key counts and head dims are padded to kNarrowCols.
+#ifndef FT_VECTOR_BYTES
+#define FT_VECTOR_BYTES 64
+#endif
+constexpr int64_t kVectorBytes = FT_VECTOR_BYTES;
+static_assert(kVectorBytes == 32 || kVectorBytes == 64, "FT_VECTOR_BYTES: 32 or 64");
 typedef float FloatVector __attribute__((vector_size(kVectorBytes)));
 typedef double DoubleVector __attribute__((vector_size(kVectorBytes)));
-typedef float FloatHalfVector __attribute__((vector_size(kHalfVectorBytes)));
-typedef double DoubleHalfVector __attribute__((vector_size(kHalfVectorBytes)));
-template <class Acc, int64_t Bytes = kVectorBytes>
-using VectorOf = std::conditional_t<Bytes == kVectorBytes,
-                                    std::conditional_t<std::is_same_v<Acc, float>, FloatVector, DoubleVector>,
-                                    std::conditional_t<std::is_same_v<Acc, float>, FloatHalfVector, DoubleHalfVector>>;
+template <class Acc>
+using VectorOf = std::conditional_t<std::is_same_v<Acc, float>, FloatVector, DoubleVector>;
 typedef int32_t FloatIndex __attribute__((vector_size(kVectorBytes)));  // a vector's lanes as integers
 typedef int64_t DoubleIndex __attribute__((vector_size(kVectorBytes)));
 template <class Acc>
@@ -604,44 +604,29 @@ constexpr double kLn2 = 0.6931471805599453;
 
 inline int64_t padded(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
-template <int64_t Bytes = kVectorBytes, class Acc>
-FT_KERNEL_INLINE VectorOf<Acc, Bytes> load_lanes(const Acc* from) {
-  VectorOf<Acc, Bytes> v;
+template <class Acc>
+FT_KERNEL_INLINE VectorOf<Acc> load_lanes(const Acc* from) {
+  VectorOf<Acc> v;
   std::memcpy(&v, from, sizeof(v));
   return v;
 }
-template <class Acc, class Vector>
-FT_KERNEL_INLINE void store_lanes(Acc* to, const Vector& v) {
+template <class Acc>
+FT_KERNEL_INLINE void store_lanes(Acc* to, const VectorOf<Acc>& v) {
   std::memcpy(to, &v, sizeof(v));
 }
 
-// Whether this machine's vector registers hold 64 bytes (the AVX-512 copies run): which product tiles fit them.
-// Tests set the answer (1 or 0; -1 leaves it to the machine), so that both tile families run on any machine.
-std::atomic<int> forced_wide_vectors{-1};
-inline bool wide_vectors() {
-  const int forced = forced_wide_vectors.load(std::memory_order_relaxed);
-  if (forced >= 0) return forced == 1;
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool wide = __builtin_cpu_supports("avx512f");
-  return wide;
-#else
-  return false;
-#endif
-}
-
-// C (rows x cols, ldc) = A (rows x depth, lda) B (depth x cols, ldb), rows a multiple of R, cols of C; vectors of
-// Bytes.
-template <int64_t R, int64_t C, int64_t Bytes, class Acc>
+// C (rows x cols, ldc) = A (rows x depth, lda) B (depth x cols, ldb), rows a multiple of R, cols of C.
+template <int64_t R, int64_t C, class Acc>
 FT_KERNEL_INLINE void product_t(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, Acc* c, int64_t ldc,
                                 int64_t rows, int64_t depth, int64_t cols) {
-  constexpr int64_t kLanesPer = Bytes / sizeof(Acc), kVectors = C / kLanesPer;
+  constexpr int64_t kLanesPer = kVectorBytes / sizeof(Acc), kVectors = C / kLanesPer;
   static_assert(C % kLanesPer == 0, "a tile is whole vectors");
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
     for (int64_t c0 = 0; c0 < cols; c0 += C) {
-      VectorOf<Acc, Bytes> tile[R][kVectors] = {};
+      VectorOf<Acc> tile[R][kVectors] = {};
       for (int64_t e = 0; e < depth; ++e) {
-        VectorOf<Acc, Bytes> line[kVectors];
-        for (int64_t n = 0; n < kVectors; ++n) line[n] = load_lanes<Bytes>(b + e * ldb + c0 + n * kLanesPer);
+        VectorOf<Acc> line[kVectors];
+        for (int64_t n = 0; n < kVectors; ++n) line[n] = load_lanes(b + e * ldb + c0 + n * kLanesPer);
         for (int64_t r = 0; r < R; ++r) {
           const Acc x = a[(r0 + r) * lda + e];
           for (int64_t n = 0; n < kVectors; ++n) tile[r][n] += x * line[n];
@@ -654,22 +639,21 @@ FT_KERNEL_INLINE void product_t(const Acc* a, int64_t lda, const Acc* b, int64_t
   }
 }
 
-// C (cols x width, ldc) += A^T B: A (rows x cols, lda), B (rows x width, ldb); cols a multiple of R, width of C;
-// vectors of Bytes.
-template <int64_t R, int64_t C, int64_t Bytes, class Acc>
+// C (cols x width, ldc) += A^T B: A (rows x cols, lda), B (rows x width, ldb); cols a multiple of R, width of C.
+template <int64_t R, int64_t C, class Acc>
 FT_KERNEL_INLINE void product_tn_t(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, Acc* c, int64_t ldc,
                                    int64_t rows, int64_t cols, int64_t width) {
-  constexpr int64_t kLanesPer = Bytes / sizeof(Acc), kVectors = C / kLanesPer;
+  constexpr int64_t kLanesPer = kVectorBytes / sizeof(Acc), kVectors = C / kLanesPer;
   static_assert(C % kLanesPer == 0, "a tile is whole vectors");
   for (int64_t j0 = 0; j0 < cols; j0 += R) {
     for (int64_t c0 = 0; c0 < width; c0 += C) {
-      VectorOf<Acc, Bytes> tile[R][kVectors];
+      VectorOf<Acc> tile[R][kVectors];
       for (int64_t j = 0; j < R; ++j) {
-        for (int64_t n = 0; n < kVectors; ++n) tile[j][n] = load_lanes<Bytes>(c + (j0 + j) * ldc + c0 + n * kLanesPer);
+        for (int64_t n = 0; n < kVectors; ++n) tile[j][n] = load_lanes(c + (j0 + j) * ldc + c0 + n * kLanesPer);
       }
       for (int64_t r = 0; r < rows; ++r) {
-        VectorOf<Acc, Bytes> line[kVectors];
-        for (int64_t n = 0; n < kVectors; ++n) line[n] = load_lanes<Bytes>(b + r * ldb + c0 + n * kLanesPer);
+        VectorOf<Acc> line[kVectors];
+        for (int64_t n = 0; n < kVectors; ++n) line[n] = load_lanes(b + r * ldb + c0 + n * kLanesPer);
         for (int64_t j = 0; j < R; ++j) {
           const Acc x = a[r * lda + j0 + j];
           for (int64_t n = 0; n < kVectors; ++n) tile[j][n] += x * line[n];
@@ -765,28 +749,28 @@ FT_KERNEL_INLINE void gradient_row_t(Acc* s, Acc* dp, Acc lse2, Acc delta, int64
   }
 }
 
-// The products with the tile the machine's registers and the columns allow. The fp32 copies are cloned for the
-// machine (see the scan above); fp64 runs the same templates as they are.
+// The products with the tile the vectors and the columns allow. The fp32 copies are cloned for the machine (see
+// the scan above); fp64 runs the same templates as they are.
 template <class Acc>
 FT_KERNEL_INLINE void product_any(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, Acc* c, int64_t ldc,
                                   int64_t rows, int64_t depth, int64_t cols) {
-  if (std::is_same_v<Acc, float> && !wide_vectors()) {
-    product_t<kHalfRows, kHalfCols, kHalfVectorBytes>(a, lda, b, ldb, c, ldc, rows, depth, cols);
+  if constexpr (kVectorBytes < 64) {
+    product_t<kHalfRows, kHalfCols>(a, lda, b, ldb, c, ldc, rows, depth, cols);
   } else if (cols % kWideCols == 0) {
-    product_t<kWideRows, kWideCols, kVectorBytes>(a, lda, b, ldb, c, ldc, rows, depth, cols);
+    product_t<kWideRows, kWideCols>(a, lda, b, ldb, c, ldc, rows, depth, cols);
   } else {
-    product_t<kNarrowRows, kNarrowCols, kVectorBytes>(a, lda, b, ldb, c, ldc, rows, depth, cols);
+    product_t<kNarrowRows, kNarrowCols>(a, lda, b, ldb, c, ldc, rows, depth, cols);
   }
 }
 template <class Acc>
 FT_KERNEL_INLINE void product_tn_any(const Acc* a, int64_t lda, const Acc* b, int64_t ldb, Acc* c, int64_t ldc,
                                      int64_t rows, int64_t cols, int64_t width) {
-  if (std::is_same_v<Acc, float> && !wide_vectors()) {
-    product_tn_t<kHalfRows, kHalfCols, kHalfVectorBytes>(a, lda, b, ldb, c, ldc, rows, cols, width);
+  if constexpr (kVectorBytes < 64) {
+    product_tn_t<kHalfRows, kHalfCols>(a, lda, b, ldb, c, ldc, rows, cols, width);
   } else if (width % kWideCols == 0) {
-    product_tn_t<kWideRows, kWideCols, kVectorBytes>(a, lda, b, ldb, c, ldc, rows, cols, width);
+    product_tn_t<kWideRows, kWideCols>(a, lda, b, ldb, c, ldc, rows, cols, width);
   } else {
-    product_tn_t<kNarrowRows, kNarrowCols, kVectorBytes>(a, lda, b, ldb, c, ldc, rows, cols, width);
+    product_tn_t<kNarrowRows, kNarrowCols>(a, lda, b, ldb, c, ldc, rows, cols, width);
   }
 }
 FT_CPU_CLONES FT_KERNEL_OPTIONS static void product(const float* a, int64_t lda, const float* b, int64_t ldb,
@@ -1491,10 +1475,11 @@ constexpr int64_t kDecodeKeysAtOnce = 8;
 template <class Acc>
 FT_KERNEL_INLINE void keys_dots(const Acc* a_t, int64_t rows, const Acc* const* keys, int64_t dim, Acc* s,
                                 int64_t lds) {
+  constexpr int64_t kKeys = std::min(kDecodeKeysAtOnce, kDecodeTileKeys<Acc>);  // fp64's 32-byte tile: 4
   if (rows % (2 * kDecodeTileKeys<Acc>) == 0) {
-    keys_dots_t<2, kDecodeKeysAtOnce>(a_t, rows, keys, dim, s, lds);
+    keys_dots_t<2, kKeys>(a_t, rows, keys, dim, s, lds);
   } else {
-    keys_dots_t<1, kDecodeKeysAtOnce>(a_t, rows, keys, dim, s, lds);
+    keys_dots_t<1, kKeys>(a_t, rows, keys, dim, s, lds);
   }
 }
 
@@ -2722,8 +2707,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return own_backward(dout, q, k, v, out, lse, dlse ? *dlse : at::Tensor(), scale, causal);
   });
   m.def("set_poison", [](bool on) { poison_outputs = on; });
-  m.def("force_wide_vectors", [](std::optional<bool> wide) { forced_wide_vectors = wide ? int(*wide) : -1; });
-  m.def("wide_vectors", &wide_vectors);
+  m.def("vector_bytes", [] { return kVectorBytes; });
   m.def("kernel_choices", [] { return kernel_choices().items(); });
   m.def("clear_kernel_choices", [] { kernel_choices().clear(); });
   m.def("set_kernel_choice", [](const at::Tensor& q, const at::Tensor& k, bool causal, bool backward, bool own) {
