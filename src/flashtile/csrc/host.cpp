@@ -709,32 +709,53 @@ FT_KERNEL_INLINE DoubleVector exp2_lanes(DoubleVector x) {
   return x;
 }
 
+// The rows' loops below run kLanes keys a step as kLaneVectors<Acc> vectors, whose lanes keep kLanes partial maxima
+// and sums (the same bits whatever the vector width). Key counts are padded to kPad, a multiple of kLanes.
+template <class Acc>
+constexpr int64_t kLanesPerVector = kVectorBytes / sizeof(Acc);
+template <class Acc>
+constexpr int64_t kLaneVectors = kLanes / kLanesPerVector<Acc>;
+static_assert(kPad % kLanes == 0, "rows are whole steps of kLanes keys");
+
+// Each lane's key within a vector, counted in Acc (exact: rows are far shorter than 2^24 keys).
+template <class Acc>
+FT_KERNEL_INLINE VectorOf<Acc> lane_keys() {
+  VectorOf<Acc> key;
+  for (int64_t t = 0; t < kLanesPerVector<Acc>; ++t) key[t] = static_cast<Acc>(t);
+  return key;
+}
+
 // A row of base-2 scores s[0, width) whose first `visible` keys the row sees, made its softmax weights
 // exp2(s - max), 0 past `visible`; returns (max, sum of the weights). A NaN score leaves the max alone but makes
 // its weight, and so the sum, NaN.
 template <class Acc>
 FT_KERNEL_INLINE std::pair<Acc, Acc> softmax_row_t(Acc* s, int64_t visible, int64_t width) {
+  using Vector = VectorOf<Acc>;
+  constexpr int64_t kPer = kLanesPerVector<Acc>, kVectors = kLaneVectors<Acc>;
   constexpr Acc kMinusInf = -std::numeric_limits<Acc>::infinity();
-  Acc lanes[kLanes];
-  for (int64_t t = 0; t < kLanes; ++t) lanes[t] = kMinusInf;
+  const Vector key = lane_keys<Acc>(), last = Vector{} + static_cast<Acc>(visible), minus_inf = Vector{} + kMinusInf;
+  Vector lanes[kVectors];
+  for (int64_t n = 0; n < kVectors; ++n) lanes[n] = minus_inf;
   for (int64_t j0 = 0; j0 < width; j0 += kLanes) {
-    for (int64_t t = 0; t < kLanes; ++t) {
-      const Acc x = j0 + t < visible ? s[j0 + t] : kMinusInf;
-      lanes[t] = lanes[t] < x ? x : lanes[t];
+    for (int64_t n = 0; n < kVectors; ++n) {
+      const int64_t j = j0 + n * kPer;
+      const Vector x = key + static_cast<Acc>(j) < last ? load_lanes(s + j) : minus_inf;
+      lanes[n] = lanes[n] < x ? x : lanes[n];
     }
   }
   Acc largest = kMinusInf;
-  for (int64_t t = 0; t < kLanes; ++t) largest = largest < lanes[t] ? lanes[t] : largest;
-  for (int64_t t = 0; t < kLanes; ++t) lanes[t] = 0;
+  for (int64_t t = 0; t < kLanes; ++t) largest = largest < lanes[t / kPer][t % kPer] ? lanes[t / kPer][t % kPer] : largest;
+  Vector sums[kVectors] = {};
   for (int64_t j0 = 0; j0 < width; j0 += kLanes) {
-    for (int64_t t = 0; t < kLanes; ++t) {
-      const Acc p = j0 + t < visible ? exp2_of(s[j0 + t] - largest) : Acc(0);
-      s[j0 + t] = p;
-      lanes[t] += p;
+    for (int64_t n = 0; n < kVectors; ++n) {
+      const int64_t j = j0 + n * kPer;
+      const Vector p = key + static_cast<Acc>(j) < last ? exp2_lanes(load_lanes(s + j) - largest) : Vector{};
+      store_lanes(s + j, p);
+      sums[n] += p;
     }
   }
   Acc total = 0;
-  for (int64_t t = 0; t < kLanes; ++t) total += lanes[t];
+  for (int64_t t = 0; t < kLanes; ++t) total += sums[t / kPer][t % kPer];
   return {largest, total};
 }
 
@@ -742,10 +763,14 @@ FT_KERNEL_INLINE std::pair<Acc, Acc> softmax_row_t(Acc* s, int64_t visible, int6
 // first `visible` keys, both exactly 0 past them (whatever NaN the row holds).
 template <class Acc>
 FT_KERNEL_INLINE void gradient_row_t(Acc* s, Acc* dp, Acc lse2, Acc delta, int64_t visible, int64_t width) {
-  for (int64_t j = 0; j < width; ++j) {
-    const Acc p = j < visible ? exp2_of(s[j] - lse2) : Acc(0);
-    s[j] = p;
-    dp[j] = j < visible ? p * (dp[j] - delta) : Acc(0);
+  using Vector = VectorOf<Acc>;
+  constexpr int64_t kPer = kLanesPerVector<Acc>;
+  const Vector key = lane_keys<Acc>(), last = Vector{} + static_cast<Acc>(visible);
+  for (int64_t j = 0; j < width; j += kPer) {
+    const auto seen = key + static_cast<Acc>(j) < last;
+    const Vector p = seen ? exp2_lanes(load_lanes(s + j) - lse2) : Vector{};
+    store_lanes(s + j, p);
+    store_lanes(dp + j, seen ? p * (load_lanes(dp + j) - delta) : Vector{});
   }
 }
 
