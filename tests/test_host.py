@@ -587,10 +587,11 @@ KERNEL_NONFINITE_CASES = [(setup, poison) for setup, poison in NONFINITE_CASES
 @pytest.mark.parametrize("case", KERNEL_NONFINITE_CASES, ids=[case_id(c) for c in KERNEL_NONFINITE_CASES])
 def test_the_cpu_kernels_poison_exactly_the_rows_and_gradients_the_rule_names(monkeypatch, case):
     """reference.py's NaN rule through the C++ kernel call: the own kernel takes non-finite inputs itself (no check
-    before it); torch's kernel (square-torch) must hand them to the Python path, q found by its LSE and k, v by a
-    scan, in training, without grad and with the LSE returned. NaN in exactly the outputs, LSEs and gradients that
-    read a NaN or Inf (tests/nonfinite_cases.py), the rest within fp32 tolerance of the fp64 reference on the clean
-    inputs; rows that see no key stay 0 with LSE -inf."""
+    before it); torch's kernel (square-torch) must hand them to the Python path, in training, without grad and
+    with the LSE returned: q found by its LSE, v by a scan, and k by a scan in training and by its LSE without
+    grad. NaN in exactly the outputs, LSEs and gradients that read a NaN or Inf (tests/nonfinite_cases.py), the
+    rest within fp32 tolerance of the fp64 reference on the clean inputs; rows that see no key stay 0 with LSE
+    -inf."""
     from flashtile.testing import reference_grads
     from flashtile.reference import attention_ref
 
@@ -890,6 +891,88 @@ def test_torchs_kernel_shows_every_row_that_reads_a_nonfinite_query_in_its_lse()
             assert not math.isfinite(value) or value == 0.0, (dtype, q.shape, causal, row, value)
             shown += value == 0.0
     assert shown > 0  # the masked-out case happens, so the test reaches both branches
+
+
+# How far torch's kernel may be from IEEE arithmetic in fp64 where a key of weight 0 holds an Inf, per dtype.
+KEY_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def test_torchs_kernel_shows_every_row_that_reads_a_nonfinite_key_in_its_lse():
+    """What host.cpp's KeyCheck::lse relies on, probed on the torch installed: with finite v, every row whose score
+    of a key holding a NaN or an Inf is NaN or +inf gets a NaN or infinite LSE from torch's CPU kernel, or the LSE of
+    a masked-out row, exactly 0; and where no row shows one (an Inf that gives every row that sees it a score of
+    -inf: a key of weight 0), out and the LSE are IEEE arithmetic's. Random shapes, dtypes, scales and masks; a
+    NaN or Inf in one element or a whole key; queries with a zero column (Inf times 0 is NaN) or a column of one
+    sign (an Inf there gives every row a score of one sign)."""
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    rng = random.Random(12)
+    g = torch.Generator().manual_seed(12)
+    shown = quiet = 0
+    for _ in range(300):
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16, torch.float64])
+        batch, heads_kv, group = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 4])
+        seqlen, head_dim, causal = rng.choice([1, 17, 129, 300, 600]), rng.choice([8, 64, 80]), rng.random() < 0.5
+        q = torch.randn(batch, heads_kv * group, seqlen, head_dim, generator=g).to(dtype)
+        k, v = (torch.randn(batch, heads_kv, seqlen, head_dim, generator=g).to(dtype) for _ in range(2))
+        column = rng.randrange(head_dim)
+        queries = rng.choice(["zero", "one sign", "random"])
+        if queries == "zero":
+            q[..., column] = 0
+        elif queries == "one sign":
+            q[..., column] = q[..., column].abs() + 0.1
+        b, h, j = rng.randrange(batch), rng.randrange(heads_kv), rng.randrange(seqlen)
+        k[b, h, j, column if rng.random() < 0.8 else slice(None)] = rng.choice([math.nan, math.inf, -math.inf])
+        scale = rng.choice([None, 1e-3, 1.0])
+        out, lse = kernel(q, k, v, 0.0, causal, scale=scale)[:2]
+        factor = head_dim ** -0.5 if scale is None else scale
+        kd, vd = (t.double().repeat_interleave(group, 1) for t in (k, v))
+        s = torch.einsum("bhid,bhjd->bhij", q.double(), kd) * factor
+        if causal:
+            s = s.masked_fill(torch.ones(seqlen, seqlen, dtype=torch.bool).triu(1), -math.inf)
+        reads = s.isnan() | (s == math.inf)  # (b, h, i, j): the rows the rule makes NaN
+        poisoned = reads.any(-1)
+        showing = ~torch.isfinite(lse) | (lse == 0)
+        assert showing[poisoned].all(), (dtype, q.shape, causal, scale, queries)
+        if showing.any():
+            shown += 1
+            continue
+        quiet += 1
+        tolerance = KEY_PROBE_TOLERANCE[dtype]
+        want = torch.einsum("bhij,bhjd->bhid", torch.softmax(s, -1), vd)
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=tolerance)
+        torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), rtol=0, atol=tolerance)
+    assert shown > 0 and quiet > 0  # both branches are reached
+
+
+@needs_build
+@pytest.mark.parametrize("chosen", [True, False], ids=["chosen", "torch-only"])
+@pytest.mark.parametrize("poison", ["nan", "inf", "-inf"])
+def test_calls_without_gradients_find_a_nonfinite_key_on_torchs_kernel_by_the_lse(monkeypatch, chosen, poison):
+    """Without gradients torch's kernel runs with no scan of k (host.cpp's KeyCheck::lse), where it was chosen and
+    where it serves alone, on a first call and on a kept one. A NaN in a key, or an Inf that gives the rows that
+    see it a score of +inf, sends the call to the rules (the own kernel or the Python path: NaN where the Python
+    path has NaN); an Inf that gives them a score of -inf is a key of weight 0, and torch's answer stands, finite,
+    within fp32 tolerance of the Python path's."""
+    monkeypatch.setenv(host.MODE_ENV, "on")
+    module = host.extension()
+    case = (1, 48, 48, 2, 2, 16, True, torch.float32) if chosen else CPU_CASES[0]
+    q, k, v = (t.detach() for t in _cpu_leaves(case, seed=13))
+    q[..., 0] = q[..., 0].abs() + 0.1  # every score of a key with an Inf at 0 takes that Inf's sign
+    k[0, 5, 1, 0] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[poison]
+    assert module.own_small_serves(q, k, v, True) == chosen
+    module.clear_kernel_choices()
+    if chosen:
+        module.set_kernel_choice(q, k, True, False, False)
+    api.clear_calls()
+    with torch.no_grad():
+        with host.python_path():
+            want_out, want_lse = flashtile.attention(q, k, v, causal=True, return_lse=True)
+        for _ in range(2):  # planned, then kept
+            out, lse = flashtile.attention(q, k, v, causal=True, return_lse=True)
+            assert torch.equal(out.isnan(), want_out.isnan()) and torch.equal(lse.isnan(), want_lse.isnan())
+            assert out.isnan().any() != (poison == "-inf")
+            torch.testing.assert_close(out, want_out, rtol=0, atol=1e-5, equal_nan=True)
+            torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5, equal_nan=True)
 
 
 @needs_build

@@ -522,25 +522,30 @@ bool finite(const at::Tensor& t) {
   return ok;
 }
 
-// Whether torch's kernel computed every row from a finite query, judged by its LSE (fp32, any layout of dense
-// memory) instead of a scan of q, which is LSE's head dim times larger. With k finite, a NaN or Inf anywhere in a
-// query row makes every score of that row NaN or infinite, and the kernel then gives that row a NaN or infinite
-// LSE, or treats the row as masked out: max 0, sum 1, LSE exactly 0 (tests/test_host.py probes this on the torch
-// installed). A square problem has no masked-out row, so every LSE must be finite and not 0. A row whose true LSE
-// is 0, or one whose scores overflow, is only a false alarm: the caller then takes the Python path.
-bool rows_finite(const at::Tensor& lse) {
-  const at::Tensor dense = lse.dim() == 3 && !lse.is_contiguous() ? lse.transpose(1, 2) : lse;
-  if (lse.scalar_type() != at::kFloat || !dense.is_contiguous()) {
-    return at::logical_and(at::isfinite(lse), at::ne(lse, 0)).all().item().toBool();
-  }
-  const auto* bits = static_cast<const uint32_t*>(dense.const_data_ptr());
+// The fp32 bit patterns x[0, n) hold no NaN, no Inf and no zero (of either sign): with the sign cleared, the smallest
+// lies above 0 and the largest below the all-ones exponent. Vectorised and cloned as the scans above.
+FT_CPU_CLONES FT_VECTORISED static bool scan_nonzero_finite32(const uint32_t* bits, int64_t n) {
   uint32_t smallest = 0x7fffffffu, largest = 0;
-  for (int64_t i = 0; i < dense.numel(); ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const uint32_t magnitude = bits[i] & 0x7fffffffu;
     smallest = std::min(smallest, magnitude);
     largest = std::max(largest, magnitude);
   }
   return smallest > 0 && largest < 0x7f800000u;
+}
+
+// Whether torch's kernel computed every row from finite scores, judged by its LSE (fp32, any layout of dense
+// memory) instead of a scan of q (or k), which is the LSE's head dim times larger. A NaN or Inf anywhere in a query
+// row makes every score of that row NaN or infinite; a NaN in a key, or an Inf that gives a row's score +inf or
+// NaN, does so to that score of every row that sees the key. The kernel then gives each such row a NaN or
+// infinite LSE, or treats it as masked out: max 0, sum 1, LSE exactly 0 (tests/test_host.py probes both on the
+// torch installed). A square problem has no masked-out row, so every LSE must be finite and not 0. A row whose true
+// LSE is 0, or one whose scores overflow, is only a false alarm: the caller then takes the Python path.
+bool rows_finite(const at::Tensor& lse) {
+  if (lse.scalar_type() != at::kFloat || !lse.is_non_overlapping_and_dense()) {
+    return at::logical_and(at::isfinite(lse), at::ne(lse, 0)).all().item().toBool();
+  }
+  return scan_nonzero_finite32(static_cast<const uint32_t*>(lse.const_data_ptr()), lse.numel());
 }
 
 // ---- The CPU's own kernel for small problems -----------------------------------------------------------------
@@ -2315,16 +2320,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> own_backward(const at::Tensor& do
   return {dq, dk, dv};
 }
 
+// How torch_forward learns that k holds nothing its answer would get wrong. A NaN in a key, or an Inf that gives
+// a row's score +inf or NaN, shows in the LSE of every row that sees the key (rows_finite), and an Inf that gives a
+// row's score -inf is a key of weight 0 there, as IEEE arithmetic and the Python path have it: the forward's answer
+// stands (KeyCheck::lse). torch's backward, though, multiplies that key's zero gradient by its Inf (a NaN in dq
+// where the rules want a number), and a backward that runs torch's kernel without a check of its own (the training
+// node's, where only torch's kernel serves) needs k scanned by the forward (KeyCheck::scan).
+enum class KeyCheck { lse, scan };
+
 // torch's CPU FlashAttention kernel on (b, s, h, d) operands where it computes flashtile's definition (no softcap,
 // ALiBi or window; causal only when seqlen_q == seqlen_k: torch_kernel_masks): a contiguous (b, s_q, h_q, d) output
 // (the kernel writes that layout) and an fp32 (b, h_q, s_q) LSE laid out as the kernel writes it, over
-// (b, s_q, h_q) memory, which its backward reads as it is. None when an input holds a NaN or an Inf: the kernel's
-// outputs do not show them as flashtile's rules want (often not at all: a finite LSE for a row that read a NaN
-// in q), and the Python path or the own kernel applies the rules. So k and v are checked before the call; q by the
-// LSE after it (rows_finite), since a row that read a non-finite query always shows there.
+// (b, s_q, h_q) memory, which its backward reads as it is. None when an input holds a NaN or an Inf its outputs
+// would not show as flashtile's rules want (a NaN or Inf in v: its masked-out zeros spread it to rows that never
+// read it), and the Python path or the own kernel applies the rules. So v is checked before the call, k as `keys`
+// says, and q by the LSE after it (rows_finite), since a row that read a non-finite query always shows there.
 std::optional<std::tuple<at::Tensor, at::Tensor>> torch_forward(const at::Tensor& q, const at::Tensor& k,
-                                                                const at::Tensor& v, double scale, bool causal) {
-  if (!finite(k) || !finite(v)) return std::nullopt;
+                                                                const at::Tensor& v, double scale, bool causal,
+                                                                KeyCheck keys) {
+  if (!finite(v) || (keys == KeyCheck::scan && !finite(k))) return std::nullopt;
   // Below autograd's dispatch: nothing here is recorded (the callers switch gradients off), and a view or a
   // kernel then skips autograd's and the view tracker's layers. Safe because nothing here writes in place, and
   // the views only feed the kernel or a copy.
@@ -2455,14 +2469,15 @@ KernelChoices& kernel_choices() {
   return choices;
 }
 
-// The forward of a problem both kernels serve, by the faster for its kind (measuring it on first use).
+// The forward of a problem both kernels serve, by the faster for its kind (measuring it on first use). torch's
+// kernel checks k by the LSE alone: chosen_backward checks what it reads itself.
 std::tuple<at::Tensor, at::Tensor> chosen_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   double scale, bool causal) {
   const ChoiceKey key = choice_key(q, k, causal, Pass::forward);
   const std::optional<bool> own = kernel_choices().own(key);
   if (own && *own) return own_forward(q, k, v, scale, causal);
   if (own) {
-    auto result = torch_forward(q, k, v, scale, causal);
+    auto result = torch_forward(q, k, v, scale, causal, KeyCheck::lse);
     return result ? *result : own_forward(q, k, v, scale, causal);  // not finite: the own kernel keeps the rules
   }
   if (!finite(k) || !finite(v)) return own_forward(q, k, v, scale, causal);  // nothing to learn about the kind
@@ -2471,7 +2486,9 @@ std::tuple<at::Tensor, at::Tensor> chosen_forward(const at::Tensor& q, const at:
   bool finite_inputs = true;  // false once torch_forward finds a non-finite query
   const bool own_wins = first_faster([&] { own_result = own_forward(q, k, v, scale, causal); },
                                      [&] {
-                                       if (finite_inputs) torch_result = torch_forward(q, k, v, scale, causal);
+                                       if (finite_inputs) {
+                                         torch_result = torch_forward(q, k, v, scale, causal, KeyCheck::lse);
+                                       }
                                        finite_inputs = torch_result.has_value();
                                      });
   if (!finite_inputs) return own_result;
@@ -2507,27 +2524,28 @@ bool choice_measured(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 // (out, lse) by the kernel that serves the problem (the own kernel's, torch's, or the faster of both); None as
-// torch_forward's where only torch's kernel serves.
+// torch_forward's where only torch's kernel serves, which checks k as `keys` says.
 std::optional<std::tuple<at::Tensor, at::Tensor>> kernel_forward(const at::Tensor& q, const at::Tensor& k,
                                                                  const at::Tensor& v, double scale, bool causal,
-                                                                 bool tuned) {
+                                                                 bool tuned, KeyCheck keys) {
   if (choice_measured(q, k, v, causal, tuned)) return chosen_forward(q, k, v, scale, causal);
   if (own_kernel_serves(q, k, v, causal)) return own_forward(q, k, v, scale, causal);
   require(torch_kernel_masks(q, k, causal), "flashtile: torch's CPU kernel masks square problems only");
-  return torch_forward(q, k, v, scale, causal);
+  return torch_forward(q, k, v, scale, causal, keys);
 }
 
-// kernel_forward as cpu_kernel.forward returns it, the LSE contiguous (it may reach the caller).
+// kernel_forward as cpu_kernel.forward returns it, the LSE contiguous (it may reach the caller). Its backward, if
+// any, is cpu_backward's, which checks k itself where only torch's kernel serves.
 std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_forward(const at::Tensor& q, const at::Tensor& k,
                                                                const at::Tensor& v, double scale, bool causal,
                                                                bool tuned) {
-  auto result = kernel_forward(q, k, v, scale, causal, tuned);
+  auto result = kernel_forward(q, k, v, scale, causal, tuned, KeyCheck::lse);
   if (result) std::get<1>(*result) = std::get<1>(*result).contiguous();
   return result;
 }
 
 // The backward for what kernel_forward returned: contiguous (dq, dk, dv) shaped like q, k, v. Where only torch's
-// kernel serves, its forward ran and proved the inputs finite.
+// kernel serves, its forward ran with KeyCheck::scan and proved the inputs finite.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kernel_backward(const at::Tensor& dout, const at::Tensor& q,
                                                                const at::Tensor& k, const at::Tensor& v,
                                                                const at::Tensor& out, const at::Tensor& lse,
@@ -2581,7 +2599,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> cpu_train(const at::Tensor& q,
                                                              bool tuned) {
   auto result = [&] {
     at::AutoGradMode off(false);
-    return kernel_forward(q, k, v, scale, causal, tuned);
+    return kernel_forward(q, k, v, scale, causal, tuned, KeyCheck::scan);
   }();
   if (!result) return std::nullopt;
   auto& [out, lse] = *result;
@@ -2689,7 +2707,8 @@ class KeptCalls {
       result = o.signature.grad ? call.cuda->train(o.q, o.k, o.v) : call.cuda->run(o.q, o.k, o.v);
     } else {
       auto cpu = o.signature.grad ? cpu_train(o.q, o.k, o.v, call.scale, call.causal, call.tuned)
-                                  : kernel_forward(o.q, o.k, o.v, call.scale, call.causal, call.tuned);
+                                  : kernel_forward(o.q, o.k, o.v, call.scale, call.causal, call.tuned,
+                                                   KeyCheck::lse);
       if (!cpu) return py::none();
       if (call.return_lse) std::get<1>(*cpu) = std::get<1>(*cpu).contiguous();
       result = std::make_pair(std::get<0>(*cpu), std::get<1>(*cpu));
