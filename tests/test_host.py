@@ -440,23 +440,37 @@ def _torchs_kernel(q, k, v, causal):
     return out.transpose(1, 2), lse
 
 
+def _choose_own(module, q, k, causal):
+    """The own kernel for the kind of problem (q, k) make, forward and backward: for tests of its bits where
+    torch's kernel also serves, so that no measurement can choose torch's."""
+    for backward in (False, True):
+        module.set_kernel_choice(q, k, causal, backward, True)
+
+
 def _chosen(module):
     """{(pass, own)} of the kinds of problem measured so far ('forward' or 'backward')."""
     return {("backward" if fields[7] else "forward", own) for fields, own in module.kernel_choices()}
 
 
+MEASURED_CASES = [
+    (2, 96, 96, 4, 2, 32, False, torch.float32),   # the small-problem path
+    (2, 96, 96, 4, 2, 32, True, torch.float32),
+    (2, 1, 300, 8, 2, 32, False, torch.float32),   # the decode path, unmasked (torch's mask is top-left)
+]
+
+
 @needs_build
-@pytest.mark.parametrize("causal", [False, True])
-def test_where_both_cpu_kernels_serve_the_faster_is_measured_once_and_kept(monkeypatch, causal):
-    """A small square problem is served by both the own kernel and torch's kernel: its first call measures both
-    and returns the chosen kernel's bits; later calls of that kind take the chosen kernel, and a choice set the
-    other way is followed, forward and backward alike."""
+@pytest.mark.parametrize("case", MEASURED_CASES, ids=_own_ids(MEASURED_CASES))
+def test_where_both_cpu_kernels_serve_the_faster_is_measured_once_and_kept(monkeypatch, case):
+    """A problem served by both the own kernel (its small-problem or its decode path) and torch's kernel: its first
+    call measures both and returns the chosen kernel's bits; later calls of that kind take the chosen kernel, and a
+    choice set the other way is followed, forward and backward alike."""
     monkeypatch.setenv(host.MODE_ENV, "on")
     module = host.extension()
-    case = (2, 96, 96, 4, 2, 32, causal, torch.float32)
+    causal = case[6]
     leaves = _cpu_leaves(case, seed=5)
     q, k, v = (t.detach() for t in leaves)
-    assert module.own_small_serves(q, k, v, causal)
+    assert module.own_kernel_serves(q, k, v, causal)
     scale = case[5] ** -0.5
     by_kernel = {True: module.own_forward(q, k, v, scale, causal)[0], False: _torchs_kernel(q, k, v, causal)[0]}
     assert not torch.equal(by_kernel[True], by_kernel[False])  # else the bits could not tell the kernels apart
@@ -678,6 +692,7 @@ def test_the_decode_path_matches_the_fp64_reference_with_the_lse_and_its_gradien
     causal, dtype = case[6], case[7]
     leaves = _cpu_leaves(case, seed=1)
     assert host.extension().own_decode_serves(*leaves, causal)
+    _choose_own(host.extension(), *leaves[:2], causal)
     api.clear_calls()
     out, lse = flashtile.attention(*leaves, causal=causal, return_lse=True)
     assert [c.cpu_kernel is not None for c in api._calls.values()] == [True], "not the C++ kernel call"
@@ -712,6 +727,7 @@ def test_the_decode_path_reads_k_and_v_in_place_at_any_strides(monkeypatch, case
     batch, _, seqlen_k, _, heads_kv, head_dim, causal, dtype = case
     leaves = _cpu_leaves(case, seed=3)
     q, k, v = (t.detach() for t in leaves)
+    _choose_own(module, q, k, causal)
     heads_first = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v)]
     caches = [torch.full((batch, seqlen_k + 5, heads_kv, head_dim + 8), float("nan"), dtype=dtype) for _ in (k, v)]
     for cache, t in zip(caches, (k, v)):

@@ -2236,9 +2236,10 @@ constexpr int64_t kOwnMinQueries = 4;
 constexpr int64_t kOwnKeyValues = int64_t{1} << 20;
 
 // The decode path takes what the small-problem path leaves, any number of keys, where it measured faster than
-// torch's kernel (notes.md, "The decode path"): at most kDecodeQueries queries, past which torch's kernel, whose
-// products take a block of queries of one head at a time, gains on it (here a GQA group's heads share each read
-// of K and V instead); and at most kDecodeRows query rows per (batch, kv head) (group x seqlen_q), the most
+// torch's kernel (notes.md, "The decode path"; where torch's kernel also serves, the faster of the two is measured,
+// KernelChoices below): at most kDecodeQueries queries, past which torch's kernel, whose products take a block of
+// queries of one head at a time, gains on it (here a GQA group's heads share each read of K and V instead); and at
+// most kDecodeRows query rows per (batch, kv head) (group x seqlen_q), the most
 // measured, whose block of scores (kDecodeRows x kDecodeBlockKeys) stays within L2.
 constexpr int64_t kDecodeQueries = 16;
 constexpr int64_t kDecodeRows = 256;
@@ -2370,9 +2371,10 @@ bool torch_kernel_masks(const at::Tensor& q, const at::Tensor& k, bool causal) {
 
 // ---- The faster of two kernels, measured on first use -------------------------------------------------------
 
-// Where the own kernel's small-problem path and torch's kernel both serve a problem, which is faster depends on
-// the CPU and on torch's BLAS (notes.md, "Issue 14 on an Intel CPU" and session thirty-four): the own kernel's
-// limits were set where it led, and on another CPU torch's kernel led inside them. So the first call of each kind
+// Where the own kernel (its small-problem or its decode path) and torch's kernel both serve a problem, which is
+// faster depends on the CPU and on torch's BLAS (notes.md, "Issue 14 on an Intel CPU", sessions thirty-four and
+// thirty-nine): the own kernel's limits were set where it led, and on another CPU torch's kernel led inside them
+// (its decode path too, where a call streams K and V from memory). So the first call of each kind
 // of problem (a ChoiceKey: dtype, mask, GQA group, sizes by octave, head dim, pass, threads) runs both in turn,
 // for at least kChoiceRounds rounds and until each has run about kChoiceSeconds at its median time (at most
 // kChoiceMaxRounds rounds), and that kind then takes the one with the shorter median time for the rest of the
@@ -2520,7 +2522,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chosen_backward(const at::Tensor&
 
 // Whether both kernels serve (q, k, v) and the choice between them is measured.
 bool choice_measured(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, bool tuned) {
-  return tuned && own_small_serves(q, k, v, causal) && torch_kernel_masks(q, k, causal);
+  return tuned && own_kernel_serves(q, k, v, causal) && torch_kernel_masks(q, k, causal);
 }
 
 // (out, lse) by the kernel that serves the problem (the own kernel's, torch's, or the faster of both); None as
