@@ -2239,8 +2239,8 @@ constexpr int64_t kOwnKeyValues = int64_t{1} << 20;
 // torch's kernel (notes.md, "The decode path"; where torch's kernel also serves, the faster of the two is measured,
 // KernelChoices below): at most kDecodeQueries queries, past which torch's kernel, whose products take a block of
 // queries of one head at a time, gains on it (here a GQA group's heads share each read of K and V instead); and at
-// most kDecodeRows query rows per (batch, kv head) (group x seqlen_q), the most
-// measured, whose block of scores (kDecodeRows x kDecodeBlockKeys) stays within L2.
+// most kDecodeRows query rows per (batch, kv head) (group x seqlen_q), the most measured, whose block of scores
+// (kDecodeRows x kDecodeBlockKeys) stays within L2.
 constexpr int64_t kDecodeQueries = 16;
 constexpr int64_t kDecodeRows = 256;
 
@@ -2374,13 +2374,13 @@ bool torch_kernel_masks(const at::Tensor& q, const at::Tensor& k, bool causal) {
 // Where the own kernel (its small-problem or its decode path) and torch's kernel both serve a problem, which is
 // faster depends on the CPU and on torch's BLAS (notes.md, "Issue 14 on an Intel CPU", sessions thirty-four and
 // thirty-nine): the own kernel's limits were set where it led, and on another CPU torch's kernel led inside them
-// (its decode path too, where a call streams K and V from memory). So the first call of each kind
-// of problem (a ChoiceKey: dtype, mask, GQA group, sizes by octave, head dim, pass, threads) runs both in turn,
-// for at least kChoiceRounds rounds and until each has run about kChoiceSeconds at its median time (at most
-// kChoiceMaxRounds rounds), and that kind then takes the one with the shorter median time for the rest of the
-// process. The measuring call returns the chosen kernel's result, so that every call of a kind gives the same
-// bits. In deterministic mode (`tuned` false) the own kernel runs whatever the timings, so that bits never depend
-// on a measurement.
+// (its decode path too, where a call streams K and V from memory). So the first call of each kind of problem (a
+// ChoiceKey: dtype, mask, GQA group, sizes by octave, head dim, pass, threads) runs both in turn, for at least
+// kChoiceRounds rounds and until each has run about kChoiceSeconds at its median time (at most kChoiceMaxRounds
+// rounds), and that kind then takes the one with the shorter median time for the rest of the process. The
+// measuring call returns the chosen kernel's result, so that every call of a kind gives the same bits. In
+// deterministic mode (`tuned` false) the own kernel runs whatever the timings, so that bits never depend on a
+// measurement.
 constexpr int kChoiceRounds = 5;
 constexpr int kChoiceMaxRounds = 64;
 constexpr double kChoiceSeconds = 0.01;
