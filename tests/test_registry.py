@@ -280,11 +280,14 @@ def test_backward_head_groups_divide_the_heads(monkeypatch, heads_q, heads_kv, l
     assert backward.kv_heads_per_launch(problem, module, rows) == expected
 
 
-@pytest.mark.parametrize("d", sorted(specs.HOPPER_FWD_TILES))
-def test_hopper_consumers_take_only_the_registers_the_producer_gives_back(d):
+HOPPER_FWD_TILES = [(d, tile) for table in (specs.HOPPER_FWD_TILES, specs.HOPPER_FWD_SHORT_CAUSAL_TILES)
+                    for d, tile in sorted(table.items())]
+
+
+@pytest.mark.parametrize("d, tile", HOPPER_FWD_TILES)
+def test_hopper_consumers_take_only_the_registers_the_producer_gives_back(d, tile):
     """setmaxnreg.inc waits for registers the block itself has freed: the consumers' raise must fit in what the
     producer warpgroup's cut frees, or the block hangs."""
-    tile = specs.HOPPER_FWD_TILES[d]
     defines = dict(specs.hopper_fwd_spec("bf16", d, d, tile).defines)
     threads = specs.hopper_fwd_threads(tile.block_m)
     start = specs.launch_registers(threads)
@@ -429,3 +432,38 @@ def test_rung5_plan_takes_the_tail_split_only_without_a_mask_and_where_it_pays(m
         assert unsplit.tail[at] == 0 and unsplit.scratch_floats == 0 and unsplit.zeroed_floats == 0
     d64 = specs.hopper_fwd_spec("bf16", 64, 64, specs.HOPPER_FWD_TILES[64])
     assert dict(d64.defines)["FT_TAIL_SPLIT"] == 0
+
+
+def test_rung5_plan_takes_the_short_causal_tile_only_at_short_causal_rows(monkeypatch):
+    """A causal problem of at most HOPPER_SHORT_CAUSAL_KEYS keys loads the head dim's short causal build (where
+    the table has one) in its plan; longer or other masks, and head dims without one, keep the family's build.
+    `flashtile compile` (all_specs) builds it too."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(ladder, "sm_count", lambda device: 132)
+    loaded = []
+
+    def load(spec, device):
+        loaded.append(spec)
+        return SimpleNamespace(spec=spec, kernels={"attn_fwd": None})
+    monkeypatch.setattr(ladder.launch, "load", load)
+    plan_of = ladder.BY_NAME["hopper"].plan
+    keys = specs.HOPPER_SHORT_CAUSAL_KEYS
+
+    def smem(d, n, window, seqlen_q=None):
+        loaded.clear()
+        spec = specs.hopper_fwd_spec("bf16", d, d, specs.HOPPER_FWD_TILES[d])
+        q = torch.empty(2, seqlen_q or n, 2048 // d, d, dtype=BF16)
+        k = torch.empty(2, n, 2048 // d, d, dtype=BF16)
+        plan = plan_of(FwdProblem(q, k, k, 0.1, window), SimpleNamespace(spec=spec, kernels={"attn_fwd": None}))
+        return plan.launches[0].smem, loaded[:]
+
+    short = specs.hopper_fwd_spec("bf16", 64, 64, specs.HOPPER_FWD_SHORT_CAUSAL_TILES[64])
+    for n, seqlen_q in ((keys, None), (1000, None), (64, None), (keys, 1)):
+        assert smem(64, n, (-1, 0), seqlen_q) == (short.smem_bytes, [short])
+    table = specs.hopper_fwd_spec("bf16", 64, 64, specs.HOPPER_FWD_TILES[64])
+    for n, window in ((keys + 1, (-1, 0)), (keys, (-1, -1)), (keys, (256, 0)), (keys, (-1, 8))):
+        assert smem(64, n, window) == (table.smem_bytes, [])
+    for d in (128, 256):
+        assert d not in specs.HOPPER_FWD_SHORT_CAUSAL_TILES
+        assert smem(d, keys, (-1, 0))[1] == []
+    assert short in registry.all_specs("sm_90a") and short != table

@@ -434,10 +434,24 @@ HOPPER_FWD_TILES = {
 }
 
 
-def hopper_fwd_tile(d: int, dv: int, arch: str) -> HopperFwdTile | None:
-    """Rung 5's tile for padded head dims, or None where it does not serve (off Hopper, dims unlike)."""
+# Rung 5's tiles for causal problems of at most HOPPER_SHORT_CAUSAL_KEYS keys, where the plan takes them instead of
+# HOPPER_FWD_TILES' row (CI compiles both). A short causal row is mostly diagonal tiles and the turns around them.
+HOPPER_SHORT_CAUSAL_KEYS = 1024
+HOPPER_FWD_SHORT_CAUSAL_TILES = {
+    64: HopperFwdTile(192, 64, 4, "64-key tiles: less of each diagonal tile masked away and a consumer whose rows "
+                                  "stop early passes shorter turns, which leads at n1k causal; at longer or "
+                                  "unmasked rows twice the turns per key, each half as long, lose (notes.md, "
+                                  "sessions thirty-six and forty)", tail_split=False),
+}
+
+
+def hopper_fwd_tile(d: int, dv: int, arch: str, short_causal: bool = False) -> HopperFwdTile | None:
+    """Rung 5's tile for padded head dims, or None where it does not serve (off Hopper, dims unlike); with
+    `short_causal`, the tile for a causal problem of at most HOPPER_SHORT_CAUSAL_KEYS keys."""
     if arch != "sm_90a" or d != dv:
         return None
+    if short_causal and d in HOPPER_FWD_SHORT_CAUSAL_TILES:
+        return HOPPER_FWD_SHORT_CAUSAL_TILES[d]
     return HOPPER_FWD_TILES.get(d)
 
 
