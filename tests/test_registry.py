@@ -434,36 +434,28 @@ def test_rung5_plan_takes_the_tail_split_only_without_a_mask_and_where_it_pays(m
     assert dict(d64.defines)["FT_TAIL_SPLIT"] == 0
 
 
-def test_rung5_plan_takes_the_short_causal_tile_only_at_short_causal_rows(monkeypatch):
-    """A causal problem of at most HOPPER_SHORT_CAUSAL_KEYS keys loads the head dim's short causal build (where
-    the table has one) in its plan; longer or other masks, and head dims without one, keep the family's build.
-    `flashtile compile` (all_specs) builds it too."""
-    from types import SimpleNamespace
-    monkeypatch.setattr(ladder, "sm_count", lambda device: 132)
-    loaded = []
-
-    def load(spec, device):
-        loaded.append(spec)
-        return SimpleNamespace(spec=spec, kernels={"attn_fwd": None})
-    monkeypatch.setattr(ladder.launch, "load", load)
-    plan_of = ladder.BY_NAME["hopper"].plan
+def test_rung5_takes_the_short_causal_tile_only_at_short_causal_forwards():
+    """A causal forward of at most HOPPER_SHORT_CAUSAL_KEYS keys is its own tile class (Variant.short_causal):
+    rung 5 builds it with the head dim's short causal tile where the table has one. Longer rows, other masks, the
+    backward and head dims without one keep the family's build. `flashtile compile` (all_specs) builds it too."""
     keys = specs.HOPPER_SHORT_CAUSAL_KEYS
 
-    def smem(d, n, window, seqlen_q=None):
-        loaded.clear()
-        spec = specs.hopper_fwd_spec("bf16", d, d, specs.HOPPER_FWD_TILES[d])
-        q = torch.empty(2, seqlen_q or n, 2048 // d, d, dtype=BF16)
-        k = torch.empty(2, n, 2048 // d, d, dtype=BF16)
-        plan = plan_of(FwdProblem(q, k, k, 0.1, window), SimpleNamespace(spec=spec, kernels={"attn_fwd": None}))
-        return plan.launches[0].smem, loaded[:]
+    def chosen(d, n, window, seqlen_q=None, direction="fwd"):
+        q = torch.empty(2, seqlen_q or n, 2048 // d, d, dtype=BF16, device="meta")
+        k = torch.empty(2, n, 2048 // d, d, dtype=BF16, device="meta")
+        variant = Variant.of(FwdProblem(q, k, k, 0.1, window), direction, "sm_90a")
+        family, spec = registry.choose(variant)
+        return variant.short_causal, family.name, spec
 
     short = specs.hopper_fwd_spec("bf16", 64, 64, specs.HOPPER_FWD_SHORT_CAUSAL_TILES[64])
-    for n, seqlen_q in ((keys, None), (1000, None), (64, None), (keys, 1)):
-        assert smem(64, n, (-1, 0), seqlen_q) == (short.smem_bytes, [short])
     table = specs.hopper_fwd_spec("bf16", 64, 64, specs.HOPPER_FWD_TILES[64])
+    assert short != table
+    for n, seqlen_q in ((keys, None), (1000, None), (64, None), (keys, 300)):
+        assert chosen(64, n, (-1, 0), seqlen_q) == (True, "hopper", short)
     for n, window in ((keys + 1, (-1, 0)), (keys, (-1, -1)), (keys, (256, 0)), (keys, (-1, 8))):
-        assert smem(64, n, window) == (table.smem_bytes, [])
+        assert chosen(64, n, window) == (False, "hopper", table)
+    assert not chosen(64, keys, (-1, 0), direction="bwd")[0]
     for d in (128, 256):
         assert d not in specs.HOPPER_FWD_SHORT_CAUSAL_TILES
-        assert smem(d, keys, (-1, 0))[1] == []
-    assert short in registry.all_specs("sm_90a") and short != table
+        assert chosen(d, keys, (-1, 0))[2] == specs.hopper_fwd_spec("bf16", d, d, specs.HOPPER_FWD_TILES[d])
+    assert short in registry.all_specs("sm_90a")

@@ -83,9 +83,6 @@ def _persistent_plan(entry: str, threads_of):
     Without a mask, a build with FT_TAIL_SPLIT shares the last round's units out by key tiles where that pays
     (specs.hopper_tail_split)."""
     def plan(problem: FwdProblem, module: launch.LoadedModule, outputs: tuple | None = None) -> plans.FwdPlan:
-        short = _short_causal_spec(problem, module.spec)
-        if short is not None:
-            module = launch.load(short, problem.q.device.index)
         spec = module.spec
         defines = dict(spec.defines)
         m_blocks = -(-problem.seqlen_q // defines["FT_BLOCK_M"])
@@ -120,29 +117,7 @@ def _hopper_dims(variant: Variant) -> tuple[int, int]:
 
 
 def hopper_tile(variant: Variant) -> specs.HopperFwdTile | None:
-    return specs.hopper_fwd_tile(*_hopper_dims(variant), variant.arch)
-
-
-def _short_causal_spec(problem: FwdProblem, spec: specs.KernelSpec) -> specs.KernelSpec | None:
-    """The rung-5 build a causal problem of at most specs.HOPPER_SHORT_CAUSAL_KEYS keys takes instead of `spec`,
-    the family's, where the head dim has one (specs.HOPPER_FWD_SHORT_CAUSAL_TILES); None otherwise."""
-    if problem.window != (-1, 0) or problem.seqlen_k > specs.HOPPER_SHORT_CAUSAL_KEYS:
-        return None
-    defines = dict(spec.defines)
-    d, dv = defines["FT_HEAD_DIM"], defines["FT_HEAD_DIM_V"]
-    tile = specs.hopper_fwd_tile(d, dv, spec.arch, short_causal=True)
-    if tile is None or tile == specs.hopper_fwd_tile(d, dv, spec.arch):
-        return None
-    return specs.hopper_fwd_spec(spec.dtype, d, dv, tile)
-
-
-def _hopper_more_specs(variant: Variant) -> tuple[specs.KernelSpec, ...]:
-    """The short causal build (_short_causal_spec) a rung-5 plan may load besides the family's."""
-    d, dv = _hopper_dims(variant)
-    tile = specs.hopper_fwd_tile(d, dv, variant.arch, short_causal=True)
-    if tile is None or tile == hopper_tile(variant):
-        return ()
-    return (specs.hopper_fwd_spec(variant.dtype_name, d, dv, tile),)
+    return specs.hopper_fwd_tile(*_hopper_dims(variant), variant.arch, variant.short_causal)
 
 
 def _hopper_why_not(variant: Variant) -> str | None:
@@ -188,7 +163,7 @@ RUNGS: tuple[Family, ...] = (
            Serves(_TENSOR_CORE_DTYPES, max(specs.HOPPER_FWD_TILES), _BASIC, (9, 0), extra=_hopper_why_not),
            lambda v: specs.hopper_fwd_spec(v.dtype_name, *_hopper_dims(v), hopper_tile(v)),
            _persistent_plan("attn_fwd", lambda d: specs.hopper_fwd_threads(d["FT_BLOCK_M"])),
-           rung=5, tile=hopper_tile, more_specs=_hopper_more_specs),
+           rung=5, tile=hopper_tile),
 )
 BY_NAME = {r.name: r for r in RUNGS}
 

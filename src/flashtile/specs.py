@@ -434,8 +434,8 @@ HOPPER_FWD_TILES = {
 }
 
 
-# Rung 5's tiles for causal problems of at most HOPPER_SHORT_CAUSAL_KEYS keys, where the plan takes them instead of
-# HOPPER_FWD_TILES' row (CI compiles both). A short causal row is mostly diagonal tiles and the turns around them.
+# Rung 5's tiles for causal forwards of at most HOPPER_SHORT_CAUSAL_KEYS keys (Variant.short_causal), instead of
+# HOPPER_FWD_TILES' row. A short causal row is mostly diagonal tiles and the turns around them.
 HOPPER_SHORT_CAUSAL_KEYS = 1024
 HOPPER_FWD_SHORT_CAUSAL_TILES = {
     64: HopperFwdTile(192, 64, 4, "64-key tiles: less of each diagonal tile masked away and a consumer whose rows "
