@@ -116,12 +116,14 @@ def test_kv_through_tensor_maps(d, dv, causal, poisoned_outputs):
 
 @pytest.mark.parametrize("d", [64, 104, 256])
 @pytest.mark.parametrize("causal,sq,sk", [(False, 1000, 1000), (True, 1000, 1000), (True, 1100, 700),
-                                           (False, 777, 1300)])
+                                           (True, 1500, 1300), (False, 777, 1300)])
 def test_hopper_blocks_that_run_many_tiles(d, causal, sq, sk, poisoned_outputs):
     """Rung 5 with several work tiles per persistent block: each tile's Q lands in one of two buffers while the
     tile before runs, the consumers' turns run on from tile to tile, and a consumer passes the key tiles its own
     rows do not see (past the sequence's end, above the causal diagonal, or every key when sk < sq). Q is a
-    strided view of a packed tensor and d104 leaves columns for Q's map to zero-fill."""
+    strided view of a packed tensor and d104 leaves columns for Q's map to zero-fill. Causal rows of at most
+    specs.HOPPER_SHORT_CAUSAL_KEYS keys take the head dim's short causal tile where it has one, longer ones the
+    table's."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("rung 'hopper' runs on sm_90a")
     torch.manual_seed(d + sq + sk + causal)

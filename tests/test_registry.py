@@ -280,11 +280,14 @@ def test_backward_head_groups_divide_the_heads(monkeypatch, heads_q, heads_kv, l
     assert backward.kv_heads_per_launch(problem, module, rows) == expected
 
 
-@pytest.mark.parametrize("d", sorted(specs.HOPPER_FWD_TILES))
-def test_hopper_consumers_take_only_the_registers_the_producer_gives_back(d):
+HOPPER_FWD_TILES = [(d, tile) for table in (specs.HOPPER_FWD_TILES, specs.HOPPER_FWD_SHORT_CAUSAL_TILES)
+                    for d, tile in sorted(table.items())]
+
+
+@pytest.mark.parametrize("d, tile", HOPPER_FWD_TILES)
+def test_hopper_consumers_take_only_the_registers_the_producer_gives_back(d, tile):
     """setmaxnreg.inc waits for registers the block itself has freed: the consumers' raise must fit in what the
     producer warpgroup's cut frees, or the block hangs."""
-    tile = specs.HOPPER_FWD_TILES[d]
     defines = dict(specs.hopper_fwd_spec("bf16", d, d, tile).defines)
     threads = specs.hopper_fwd_threads(tile.block_m)
     start = specs.launch_registers(threads)
@@ -429,3 +432,30 @@ def test_rung5_plan_takes_the_tail_split_only_without_a_mask_and_where_it_pays(m
         assert unsplit.tail[at] == 0 and unsplit.scratch_floats == 0 and unsplit.zeroed_floats == 0
     d64 = specs.hopper_fwd_spec("bf16", 64, 64, specs.HOPPER_FWD_TILES[64])
     assert dict(d64.defines)["FT_TAIL_SPLIT"] == 0
+
+
+def test_rung5_takes_the_short_causal_tile_only_at_short_causal_forwards():
+    """A causal forward of at most HOPPER_SHORT_CAUSAL_KEYS keys is its own tile class (Variant.short_causal):
+    rung 5 builds it with the head dim's short causal tile where the table has one. Longer rows, other masks, the
+    backward and head dims without one keep the family's build. `flashtile compile` (all_specs) builds it too."""
+    keys = specs.HOPPER_SHORT_CAUSAL_KEYS
+
+    def chosen(d, n, window, seqlen_q=None, direction="fwd"):
+        q = torch.empty(2, seqlen_q or n, 2048 // d, d, dtype=BF16, device="meta")
+        k = torch.empty(2, n, 2048 // d, d, dtype=BF16, device="meta")
+        variant = Variant.of(FwdProblem(q, k, k, 0.1, window), direction, "sm_90a")
+        family, spec = registry.choose(variant)
+        return variant.short_causal, family.name, spec
+
+    short = specs.hopper_fwd_spec("bf16", 64, 64, specs.HOPPER_FWD_SHORT_CAUSAL_TILES[64])
+    table = specs.hopper_fwd_spec("bf16", 64, 64, specs.HOPPER_FWD_TILES[64])
+    assert short != table
+    for n, seqlen_q in ((keys, None), (1000, None), (64, None), (keys, 300)):
+        assert chosen(64, n, (-1, 0), seqlen_q) == (True, "hopper", short)
+    for n, window in ((keys + 1, (-1, 0)), (keys, (-1, -1)), (keys, (256, 0)), (keys, (-1, 8))):
+        assert chosen(64, n, window) == (False, "hopper", table)
+    assert not chosen(64, keys, (-1, 0), direction="bwd")[0]
+    for d in (128, 256):
+        assert d not in specs.HOPPER_FWD_SHORT_CAUSAL_TILES
+        assert chosen(d, keys, (-1, 0))[2] == specs.hopper_fwd_spec("bf16", d, d, specs.HOPPER_FWD_TILES[d])
+    assert short in registry.all_specs("sm_90a")

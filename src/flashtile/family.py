@@ -33,15 +33,18 @@ class Variant:
     arch: str                       # NVRTC target, e.g. "sm_90a"
     shape: str = "prefill"          # "prefill" | "decode"
     deterministic: bool = False     # a backward that must be bitwise repeatable (its dQ adds take turns)
+    short_causal: bool = False      # a causal forward of at most specs.HOPPER_SHORT_CAUSAL_KEYS keys (a tile class)
 
     @classmethod
     def of(cls, problem: FwdProblem, direction: str, arch: str, deterministic: bool = False) -> Variant:
         window = problem.window
         used = (("window", window[0] >= 0 or window[1] > 0), ("softcap", problem.softcap > 0),
                 ("alibi", problem.alibi_slopes is not None), ("varlen", problem.varlen))
+        short_causal = (direction == "fwd" and window == (-1, 0)
+                        and problem.seqlen_k <= specs.HOPPER_SHORT_CAUSAL_KEYS)
         return cls(direction, problem.q.dtype, problem.head_dim, problem.head_dim_v,
                    frozenset(name for name, on in used if on), arch,
-                   "decode" if problem.seqlen_q <= DECODE_MAX_QUERIES else "prefill", deterministic)
+                   "decode" if problem.seqlen_q <= DECODE_MAX_QUERIES else "prefill", deterministic, short_causal)
 
     @property
     def dtype_name(self) -> str:

@@ -117,7 +117,7 @@ def _hopper_dims(variant: Variant) -> tuple[int, int]:
 
 
 def hopper_tile(variant: Variant) -> specs.HopperFwdTile | None:
-    return specs.hopper_fwd_tile(*_hopper_dims(variant), variant.arch)
+    return specs.hopper_fwd_tile(*_hopper_dims(variant), variant.arch, variant.short_causal)
 
 
 def _hopper_why_not(variant: Variant) -> str | None:

@@ -40,7 +40,8 @@ def choose(variant: Variant, rung: str | int = "auto") -> tuple[Family, specs.Ke
 
 
 # The variants `flashtile compile` builds ahead of time and CI compiles for every architecture: each head dim
-# pair the kernels are built for, plus softcap and ALiBi at the most common head dim.
+# pair the kernels are built for, plus softcap and ALiBi at the most common head dim, and short causal forwards
+# (their own tile class on rung 5).
 _COMPILED_DIMS = tuple((d, d) for d in specs.FWD_HEAD_DIMS) + ((192, 128),)
 _SCORE_MODS = (frozenset(), frozenset({"softcap"}), frozenset({"alibi"}))
 _SCORE_MOD_HEAD_DIM = 128
@@ -58,6 +59,7 @@ def compiled_variants(arch: str):
                         yield Variant(direction, dtype, d, dv, features, arch, deterministic=True)
                 if direction == "fwd":
                     yield Variant(direction, dtype, d, dv, frozenset(), arch, "decode")
+                    yield Variant(direction, dtype, d, dv, frozenset(), arch, short_causal=True)
 
 
 def all_specs(arch: str) -> list[specs.KernelSpec]:

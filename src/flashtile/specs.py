@@ -434,10 +434,25 @@ HOPPER_FWD_TILES = {
 }
 
 
-def hopper_fwd_tile(d: int, dv: int, arch: str) -> HopperFwdTile | None:
-    """Rung 5's tile for padded head dims, or None where it does not serve (off Hopper, dims unlike)."""
+# Rung 5's tiles for causal forwards of at most HOPPER_SHORT_CAUSAL_KEYS keys (Variant.short_causal), instead of
+# HOPPER_FWD_TILES' row. A short causal row is mostly diagonal tiles and the turns around them. The bound is where
+# the narrow tile stopped leading: it led at 512 to 1024 keys and lost at 2048 (notes.md, session forty-one).
+HOPPER_SHORT_CAUSAL_KEYS = 1024
+HOPPER_FWD_SHORT_CAUSAL_TILES = {
+    64: HopperFwdTile(192, 64, 4, "64-key tiles: less of each diagonal tile masked away and a consumer whose rows "
+                                  "stop early passes shorter turns, which leads at short causal rows; at longer or "
+                                  "unmasked rows twice the turns per key, each half as long, lose; six stages are "
+                                  "level with four", tail_split=False),
+}
+
+
+def hopper_fwd_tile(d: int, dv: int, arch: str, short_causal: bool = False) -> HopperFwdTile | None:
+    """Rung 5's tile for padded head dims, or None where it does not serve (off Hopper, dims unlike); with
+    `short_causal`, the tile for a causal problem of at most HOPPER_SHORT_CAUSAL_KEYS keys."""
     if arch != "sm_90a" or d != dv:
         return None
+    if short_causal and d in HOPPER_FWD_SHORT_CAUSAL_TILES:
+        return HOPPER_FWD_SHORT_CAUSAL_TILES[d]
     return HOPPER_FWD_TILES.get(d)
 
 
