@@ -251,11 +251,12 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
         if (at <= 2 * units) at = 2 * units + blockIdx.x * run;  // past the whole rounds: on to the block's run
         return at - 2 * units < min((int)(blockIdx.x + 1) * run, (units - unit0) * unit_tiles) ? at : -1;
     };
-    // The work tile at `at` (settled), and the place after it. Without a mask, round r's units go to the blocks
-    // rotated by r: a sequence that is not a multiple of kBlockM leaves each head one short query block, and where
-    // the blocks are a multiple of the query blocks per head, dealing units out in turn would give every short one
-    // to the same few blocks. The same units still run together (L2 sharing is unchanged). A causal unit pairs a
-    // short and a long query block, so its units cost alike and stay in order.
+    // The work tile at `at` (settled), and the place after it. Round r's units go to the blocks rotated by r: where
+    // the blocks are a multiple of the units per head, dealing units out in turn would give each block the same
+    // unit of every head it takes, and the units that cost less (without a mask, a sequence that is not a multiple
+    // of kBlockM leaves each head one short query block; under a causal mask, an odd count of query blocks leaves
+    // the middle one unpaired, at half a pair's cost) would all go to the same few blocks. The same units still run
+    // together (L2 sharing is unchanged).
     auto work_of = [&](int at, int& next) {
         const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
         const bool paired = p.window_left < 0 && p.window_right == 0;
@@ -265,7 +266,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
             const int unit = at / 2, part = at % 2;
             const int round = unit / (int)gridDim.x, first = round * (int)gridDim.x;
             const int width = min((int)gridDim.x, units - first);
-            const int tile_unit = paired ? unit : first + (unit - first + round) % width;
+            const int tile_unit = first + (unit - first + round) % width;
             const int j = tile_unit % unit_blocks, hb = tile_unit / unit_blocks;
             // A causal unit's second tile, unless the first was the middle query block of an odd count.
             // (Past the last unit, the place is 2 units, which settle reads as the start of the block's run.)
