@@ -327,7 +327,8 @@ def _schedule(m_blocks, heads, blocks, unit_tiles, run, paired=False):
             unit, part = divmod(at, 2)
             first = unit // blocks * blocks
             width = min(blocks, units - first)
-            tile_unit = first + (unit - first + unit // blocks) % width
+            rotated = not paired or m_blocks % 2 == 1
+            tile_unit = first + (unit - first + unit // blocks) % width if rotated else unit
             j = tile_unit % unit_blocks
             second = part == 0 and paired and 2 * j + 1 != m_blocks
             query_block = m_blocks - 1 - j if part == 0 else j
@@ -382,6 +383,15 @@ def test_rung5_causal_schedule_shares_the_unpaired_middle_blocks_out(m_blocks, h
     costs = [sum(query_block + 1 for _, query_block, *_ in mine) for mine in pieces.values()]
     assert sum(costs) == heads * m_blocks * (m_blocks + 1) // 2
     assert max(costs) <= 1.05 * sum(costs) / len(costs)
+
+
+def test_rung5_causal_schedule_deals_an_even_counts_units_in_turn():
+    """Causal units of an even count of query blocks cost alike and keep their order (rotated, d64 n1k causal
+    measured 5-7% slower): block b takes units b, b + blocks, ..."""
+    blocks, heads, m_blocks = 132, 512, 6
+    pieces = _schedule(m_blocks, heads, blocks, unit_tiles=4, run=0, paired=True)
+    for b, mine in pieces.items():
+        assert [unit for unit, *_ in mine] == [u for u in range(b, m_blocks // 2 * heads, blocks) for _ in range(2)]
 
 
 SPLITS = [(units, blocks, tiles) for blocks in (132, 7) for units in (140, 150, 263, 2048, 3 * blocks + 1)

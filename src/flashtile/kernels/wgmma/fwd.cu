@@ -256,7 +256,8 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
     // unit of every head it takes, and the units that cost less (without a mask, a sequence that is not a multiple
     // of kBlockM leaves each head one short query block; under a causal mask, an odd count of query blocks leaves
     // the middle one unpaired, at half a pair's cost) would all go to the same few blocks. The same units still run
-    // together (L2 sharing is unchanged).
+    // together (L2 sharing is unchanged). Causal units of an even count cost alike and are dealt out in turn
+    // (rotated, they measured slower: docs/notes.md, session thirty-four).
     auto work_of = [&](int at, int& next) {
         const int m_blocks = ceil_div(p.seqlen_q, kBlockM);
         const bool paired = p.window_left < 0 && p.window_right == 0;
@@ -266,7 +267,8 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
             const int unit = at / 2, part = at % 2;
             const int round = unit / (int)gridDim.x, first = round * (int)gridDim.x;
             const int width = min((int)gridDim.x, units - first);
-            const int tile_unit = first + (unit - first + round) % width;
+            const bool rotated = !paired || m_blocks % 2 == 1;
+            const int tile_unit = rotated ? first + (unit - first + round) % width : unit;
             const int j = tile_unit % unit_blocks, hb = tile_unit / unit_blocks;
             // A causal unit's second tile, unless the first was the middle query block of an odd count.
             // (Past the last unit, the place is 2 units, which settle reads as the start of the block's run.)
