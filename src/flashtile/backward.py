@@ -5,7 +5,9 @@ kernel for head dim 192 (kernels/mma/bwd_grid.cu) and rung 4's 16-keys-per-warp 
 which serves everything the other two leave. Each plan is three launches over one BwdParams struct: a
 preprocess over query rows (D = rowsum(dO * O), the LSE in base 2, the fp32 dQ accumulator zeroed), the main
 kernel over key blocks (one launch, or two for mma/bwd.cu past head dim 128: dV, then dK and dQ), and the
-conversion of the dQ accumulator to the dtype of q.
+conversion of the dQ accumulator to the dtype of q. Where the Hopper kernel leaves dQ to a pass of its own
+(specs.BwdWgmmaTile.dq_pass), that pass over query blocks is the last launch instead, and there is no
+accumulator.
 """
 
 from __future__ import annotations
@@ -87,16 +89,22 @@ def plan(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, ls
     key_grid = (math.ceil(problem.seqlen_k / block_n), problem.heads_kv, problem.batch)
     rows = Launch(kernels["attn_bwd_preprocess"], row_grid, row_warps * WARP, 0)
     main = tuple(Launch(kernels[entry], key_grid, warps * WARP, spec.smem_bytes) for entry in spec.entries[1:-1])
-    convert = Launch(kernels["attn_bwd_dq_convert"], row_grid, row_warps * WARP, 0)
+    dq_pass = spec.dq_smem_bytes > 0
+    if dq_pass:
+        query_grid = (math.ceil(problem.seqlen_q / specs.BWD_DQ_PASS_ROWS), problem.heads_q, problem.batch)
+        last = Launch(kernels["attn_bwd_dq"], query_grid, warps * WARP, spec.dq_smem_bytes)
+    else:
+        last = Launch(kernels["attn_bwd_dq_convert"], row_grid, row_warps * WARP, 0)
     # Where the writer adds dQ boxes, each block completes its copy of the accumulator's map in a slot after it.
     map_slots = math.prod(key_grid) * TENSOR_MAP_FLOATS if spec.dq_map is not None else 0
+    accum_floats = 0 if dq_pass else lse.numel() * defines["FT_HEAD_DIM"] + map_slots
     boxes = None if spec.do_map is None else (spec.kv_maps, spec.q_map, spec.do_map) + (
         () if spec.dq_map is None else (spec.dq_map,))
     return plans.BwdPlan(
-        (rows, *main, convert), problem.params(out, lse)[plans.ADDRESS_FIELDS:],
+        (rows, *main, last), problem.params(out, lse)[plans.ADDRESS_FIELDS:],
         (*_strides(dout, varlen), *_strides(dq, varlen), *_strides(dk, varlen), *_strides(dv, varlen), m_blocks),
-        dout.stride(), lse.numel(), lse.numel() * defines["FT_HEAD_DIM"] + map_slots,
-        problem.batch * problem.heads_q * m_blocks if deterministic else 0,
+        dout.stride(), lse.numel(), accum_floats,
+        problem.batch * problem.heads_q * m_blocks if deterministic and not dq_pass else 0,
         plans.HeadGroups(groups, q_heads, kv_heads, lse_head_dim), boxes)
 
 
@@ -129,6 +137,8 @@ def kv_heads_per_launch(problem: FwdProblem, module: launch.LoadedModule, query_
     """How many kv heads one launch takes: all of them, unless the fp32 dQ accumulator of `query_rows` rows (all
     batches) would pass SCRATCH_LIMIT_BYTES (training at long sequence lengths then needs little more than its
     own tensors); then the largest divisor of heads_kv that stays under it, so that every group is alike."""
+    if module.spec.dq_smem_bytes:  # the dQ pass keeps no accumulator
+        return problem.heads_kv
     group = problem.heads_q // problem.heads_kv
     accum_bytes_per_kv_head = query_rows * group * dict(module.spec.defines)["FT_HEAD_DIM"] * FP32_BYTES
     fits = max(1, SCRATCH_LIMIT_BYTES // accum_bytes_per_kv_head)

@@ -57,6 +57,7 @@ class KernelSpec:
     do_map: KvBox | None = None          # dO's map after Q's (the Hopper backward's producer); None: none
     o_map: KvBox | None = None           # O's map after Q's (rung 5's consumers store O through it); None: none
     dq_map: DqBox | None = None          # the fp32 dQ accumulator's template after dO's (its writer adds boxes)
+    dq_smem_bytes: int = 0               # the Hopper backward's dQ pass (entry attn_bwd_dq): = sizeof(DqStorage)
 
     @property
     def maps_bytes(self) -> int:
@@ -659,6 +660,7 @@ class BwdWgmmaTile:
     dq_turns: bool = False  # with the writer: dQ by one warpgroup a step, the two in turns
     dq_buffers: int = 1  # staged dQ tiles of boxes, a writer warp each (2: one adds a tile, the other the next)
     dq_boxes: bool = False  # with the writer: dQ staged as boxes of 8 columns, added by tensor-map reductions
+    dq_pass: bool = False  # dQ by a kernel of its own (wgmma/bwd_dq.cuh), not by the main kernel's reductions
 
 
 BWD_WGMMA_TILES = {
@@ -680,6 +682,9 @@ BWD_WGMMA_TILES = {
 BWD_WGMMA_ALTERNATIVES = {
     128: (replace(BWD_WGMMA_TILES[128], dq_turns=False, dq_buffers=1, dq_boxes=False,
                   why="dQ split by columns, one padded staged tile that the writer adds by row reductions (slower)"),),
+    256: (replace(BWD_WGMMA_TILES[256], dq_pass=True,
+                  why="dQ by a pass of its own (the main kernel's dQ reductions into L2 bound d256): built, not yet "
+                      "measured"),),
 }
 # dS^T (and P^T) in two buffers that alternate by step: with no block barrier between steps, one warpgroup may
 # write the next step's while the other still reads this step's.
@@ -702,7 +707,7 @@ def bwd_wgmma_tile(d: int, dv: int, arch: str, score_mods: bool = False,
     if arch != "sm_90a" or score_mods or d != dv:
         return None
     tile = BWD_WGMMA_TILES.get(d)
-    if tile is None or not deterministic or (tile.dq_writer and tile.dq_buffers > 1):
+    if tile is None or not deterministic or tile.dq_pass or (tile.dq_writer and tile.dq_buffers > 1):
         return tile
     split_keys = tile.block_n == 2 * WGMMA_M
     return replace(tile, dq_writer=False, dq_turns=False, dq_buffers=1, dq_boxes=False,
@@ -728,9 +733,26 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
                ("FT_PRODUCER_REGISTERS", producer),
                ("FT_CONSUMER_REGISTERS", consumer_registers(tile.warps // WARPGROUP_WARPS - 1, producer)),
                *ROW_DEFINES)
-    return KernelSpec("wgmma/bwd.cu", ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq_convert"), dtype, "sm_90a",
+    if tile.dq_pass:
+        defines += (("FT_DQ_PASS", 1),)
+    last = "attn_bwd_dq" if tile.dq_pass else "attn_bwd_dq_convert"
+    return KernelSpec("wgmma/bwd.cu", ("attn_bwd_preprocess", "attn_bwd", last), dtype, "sm_90a",
                       defines, smem, kv_maps=KvBox(n, WIDE_BOX_COLS), q_map=KvBox(m, WIDE_BOX_COLS),
-                      do_map=KvBox(m, WIDE_BOX_COLS), dq_map=DqBox(m, DQ_BOX_COLS, d) if tile.dq_boxes else None)
+                      do_map=KvBox(m, WIDE_BOX_COLS), dq_map=DqBox(m, DQ_BOX_COLS, d) if tile.dq_boxes else None,
+                      dq_smem_bytes=bwd_dq_pass_smem(d, n) if tile.dq_pass else 0)
+
+
+# The dQ pass (kernels/wgmma/bwd_dq.cuh): a block holds the Q and dO of 64 queries per consumer warpgroup, K in a ring
+# of two stages and V in one (no more fits beside Q and dO at d256: V is read first and refilled behind dQ's product).
+BWD_DQ_PASS_ROWS = 2 * WGMMA_M  # queries per block: 64 per consumer warpgroup
+BWD_DQ_PASS_K_STAGES = 2
+BWD_DQ_PASS_V_STAGES = 1
+
+
+def bwd_dq_pass_smem(d: int, block_n: int) -> int:
+    storage = ((2 * BWD_DQ_PASS_ROWS + (BWD_DQ_PASS_K_STAGES + BWD_DQ_PASS_V_STAGES) * block_n) * d * ELEM_BYTES
+               + (1 + 2 * BWD_DQ_PASS_K_STAGES + 2 * BWD_DQ_PASS_V_STAGES) * MBARRIER_BYTES)
+    return -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
 
 
 def bwd_mma_spec(dtype: str, head_dim: int, head_dim_v: int, arch: str, softcap: bool = False,

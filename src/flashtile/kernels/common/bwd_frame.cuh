@@ -22,6 +22,12 @@ constexpr bool kAlibi = FT_ALIBI;
 #define FT_WIDE_BLOCKS 0
 #endif
 constexpr bool kWideBlocks = FT_WIDE_BLOCKS;  // 128-byte swizzle blocks (tile.cuh), the layout wgmma reads
+#ifndef FT_DQ_PASS
+#define FT_DQ_PASS 0
+#endif
+// dQ by a kernel of its own (wgmma/bwd_dq.cuh) instead of the main kernel's fp32 reductions: no accumulator to zero
+// or convert.
+constexpr bool kDqPass = FT_DQ_PASS;
 constexpr int kThreads = kWarps * kWarpSize;
 static_assert(kStages >= 1, "the ring needs a stage");
 static_assert(kThreads >= kBlockM, "one thread per query row loads the per-row values");
@@ -274,8 +280,10 @@ attn_bwd_preprocess(const __grid_constant__ BwdParams p) {
             p.dsum[at] = dot;
             p.lse_log2[at] = lse == kNegInf ? -kNegInf : lse * kLog2e;
         }
-        float4* accum = reinterpret_cast<float4*>(p.dq_accum + at * kHeadDim);
-        for (int i = lane; i < kHeadDim / 4; i += kWarpSize) accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if constexpr (!kDqPass) {
+            float4* accum = reinterpret_cast<float4*>(p.dq_accum + at * kHeadDim);
+            for (int i = lane; i < kHeadDim / 4; i += kWarpSize) accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
     }
 }
 

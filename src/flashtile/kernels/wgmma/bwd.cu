@@ -117,6 +117,7 @@ static_assert(kSplitKeys || kBlockN == kWgmmaM, "64 keys per warpgroup, or 64 ke
 static_assert(kSplitKeys || !kScoresAhead, "S^T ahead with the keys split");
 static_assert(kSplitKeys || !kTurnKeeper, "the turn keeper with the keys split");
 static_assert(kHeadDim == kHeadDimV, "one head dim for q, k and v");
+static_assert(!kDqPass || (!kSplitKeys && !kDqWriter), "the dQ pass serves the split-columns build, which adds no dQ");
 static_assert(kWideBlocks, "wgmma reads the 128-byte swizzled layout");
 static_assert(!kSoftcap && !kAlibi, "score modifications run in mma/bwd.cu");
 
@@ -698,6 +699,19 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
             return DqTurn(p, mask, b, head, m_tile, m0, n_block,
                           wait && !kDqWriter && !kTurnKeeper && threadIdx.x == kWarpgroupThreads);
         };
+        if constexpr (kDqPass) {  // dV and dK alone: dQ is the dQ pass's (bwd_dq.cuh)
+            consumers_sync();
+            fence_operands(dv);
+            fence_operands(dk);
+            wgmma_fence();
+            add_keys_by_dim<DoTile>(dv, smem_addr(smem.p[buffer]), do_cols);
+            add_keys_by_dim<QTile>(dk, smem_addr(ds_tile), q_cols);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(dv);
+            fence_operands(dk);
+            return;
+        }
         const DqTurn early_turn = take_turn(!kSplitKeys);
         consumers_sync();
 
@@ -794,3 +808,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
                                                         pr0.k_start, h_kv),
         p.dv_row_stride, f.head_dim_v, n0, pr0.seqlen_k, thread);
 }
+
+#if FT_DQ_PASS
+#include "bwd_dq.cuh"
+#endif
