@@ -62,6 +62,9 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(kPending)); }
+// Every cp.async this thread has issued, committed to a group or not, has landed (wait_group counts only the
+// committed groups: copies issued since the last commit are not waited for).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // Reductions over the 4 lanes of a quad (one accumulator row).
 __device__ __forceinline__ float quad_max(float x) {

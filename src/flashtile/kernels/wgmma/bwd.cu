@@ -18,7 +18,8 @@
 //             split columns (d256; kBlockN = 64): dK and dV of 64 keys x 256 do not fit one warpgroup's
 //               registers, so each warpgroup owns half their columns. Warpgroup 0 computes S^T and P^T,
 //               warpgroup 1 dP^T and, once P^T is in shared memory, dS^T; then dV, dK (SS) and dQ take each
-//               warpgroup's half of the columns. (Splitting S^T and dP^T by queries instead, m64n32 products
+//               warpgroup's half of the columns. Where specs.py says (FT_DQ_PASS), this kernel leaves dQ out and
+//               a pass of its own computes it (bwd_dq.cuh, included at the end of this file). (Splitting S^T and dP^T by queries instead, m64n32 products
 //               reading all of K and V in both warpgroups, made that phase bound by shared-memory bandwidth.)
 //           Every operand starts on a 128-byte column block.
 //           Loads: a producer warp (warpgroup 0, its registers given to the consumers by setmaxnreg) brings K and
@@ -35,7 +36,8 @@
 //           kernel in docs/ladder.md; the producer's gain in docs/notes.md.
 // Wastes:   the consumers still meet every step (dS^T is shared), so one's softmax does not overlap the other's
 //           products, and they wait for their dV/dK products before that barrier (it keeps the d128 build
-//           within 240 registers); at d64 and d256 dQ leaves through fp32 atomics from the consumers.
+//           within 240 registers); without the writer (the deterministic d64 build) dQ leaves through fp32
+//           atomics from the consumers.
 #include "../common/bwd_frame.cuh"
 #include "../common/tma.cuh"
 #include "wgmma.cuh"
@@ -437,7 +439,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
                              pr0.seqlen_k - n0, n0, lane);
             copy_rows<VTile>(v_smem, static_cast<const elem_t*>(f.v) + pr0.v_offset, f.v_row_stride, f.head_dim_v,
                              pr0.seqlen_k - n0, n0, lane);
-            cp_async_wait<0>();
+            cp_async_wait_all();
             fence_proxy_async();
             __syncwarp();
             if (lane == 0) mbarrier_arrive(kv_full);
@@ -499,7 +501,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
                 smem.dsum[stage][lane + i * kWarpSize] = dsum_rows[i];
             }
             if (by_warp) {
-                cp_async_wait<0>();
+                cp_async_wait_all();
                 fence_proxy_async();
                 if (lane == 0) mbarrier_arrive(bar);  // in place of the copy engine's arrival
             }

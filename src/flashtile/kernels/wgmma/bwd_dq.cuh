@@ -19,7 +19,8 @@
 //           copied by the warp's cp.async, zero-filling the keys past the sequence (the copy engine would bring
 //           the next sequence's, and a NaN there would reach this one's dQ through 0 * NaN). Query rows past a
 //           sequence are computed with an LSE of +inf (P = 0) and never stored.
-// Wastes:   a warpgroup waits for its dQ product before its next S; the other warpgroup's products fill the gap.
+// Wastes:   a warpgroup waits for its dQ product before its next S; the other warpgroup's products fill the gap
+//           (the two taking turns on the tensor cores, as rung 5's ping-pong, measured level: docs/notes.md).
 static_assert(kDqPass, "the dQ pass is built where the main kernel leaves dQ to it");
 static_assert(!kSplitKeys && kBlockM == kWgmmaM && kBlockN == kWgmmaM,
               "the dQ pass reads the split-columns build's tiles: 64-row Q and dO tiles, 64-key K and V tiles");
@@ -32,14 +33,6 @@ constexpr int kDqProducts = kHeadDim / kDqN;
 constexpr int kDqPassAccumulators = kDqN / 2;
 constexpr int kKeySteps = kBlockN / kWgmmaK;      // k16 steps of dQ += dS K
 static_assert(kHeadDim % kDqN == 0, "dQ in whole products of 128 columns");
-
-#ifndef FT_DQ_PINGPONG
-#define FT_DQ_PINGPONG 0
-#endif
-// The consumers take turns issuing their products (named barriers in a ring: S and dP, then dQ, each a round), so
-// that one warpgroup's exponentials and dS run while the other's products do.
-constexpr bool kDqPingPong = FT_DQ_PINGPONG;
-constexpr int kDqTurnBarrier = 1;  // + consumer: its turn (0 is __syncthreads)
 
 struct __align__(kSwizzleAtomBytes) DqStorage {
     elem_t q[kWarpgroups][QTile::kElems];  // a consumer's 64 rows of Q, later of its dQ
@@ -134,7 +127,7 @@ attn_bwd_dq(const __grid_constant__ BwdParams p, const __grid_constant__ Maps ma
             using Tile = decltype(tile);
             if (varlen && n0 + kBlockN > pr.seqlen_k) {
                 copy_rows<Tile>(slot, rows, row_stride, dim, pr.seqlen_k - n0, n0, lane);
-                cp_async_wait<0>();
+                cp_async_wait_all();
                 fence_proxy_async();
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive(full_bar);
@@ -195,17 +188,7 @@ attn_bwd_dq(const __grid_constant__ BwdParams p, const __grid_constant__ Maps ma
         if (lane == 0) mbarrier_arrive(v_bar(v_empty, it));
     };
 
-    auto turn_begin = [&] {
-        if constexpr (kDqPingPong) named_barrier_sync(kDqTurnBarrier + c, 2 * kWarpgroupThreads);
-    };
-    auto turn_end = [&] {
-        if constexpr (kDqPingPong) named_barrier_arrive(kDqTurnBarrier + (c + 1) % kWarpgroups, 2 * kWarpgroupThreads);
-    };
-
     mbarrier_wait(q_full, 0);
-    // Every consumer takes two turns per key block, its own or not; the last hands out the first turn, and the first
-    // takes the last one's final pass.
-    if (tiles.count > 0 && c == kWarpgroups - 1) turn_end();
     float dq[kDqProducts][kDqPassAccumulators] = {};
     for (int it = 0; it < tiles.count; ++it) {
         if (it < lo || it >= hi) {
@@ -213,10 +196,6 @@ attn_bwd_dq(const __grid_constant__ BwdParams p, const __grid_constant__ Maps ma
             release_k(it);
             wait_v(it);
             release_v(it);
-            for (int round = 0; round < 2; ++round) {
-                turn_begin();
-                turn_end();
-            }
             continue;
         }
         const int n0 = tiles.begin + it * kBlockN;
@@ -227,7 +206,6 @@ attn_bwd_dq(const __grid_constant__ BwdParams p, const __grid_constant__ Maps ma
         // S and dP, two commit groups: P's exponentials run while dP is still on the tensor cores.
         float s[kScoreAccumulators], dp[kScoreAccumulators];
         wait_k(it);
-        turn_begin();
         fence_operands(s);
         fence_operands(dp);
         wgmma_fence();
@@ -237,7 +215,6 @@ attn_bwd_dq(const __grid_constant__ BwdParams p, const __grid_constant__ Maps ma
         wgmma_fence();  // (after the wait's loop, as ptxas would insert it)
         keys_by_queries<DoTile, VTile>(dp, do_tile, v_tile);
         wgmma_commit();
-        turn_end();
         wgmma_wait<1>();
         fence_operands(s);
         const bool masked = !mask.tile_unmasked(row0, row1, n0, n0 + kBlockN);
@@ -272,18 +249,14 @@ attn_bwd_dq(const __grid_constant__ BwdParams p, const __grid_constant__ Maps ma
         to_fragments(ds16, dp);
 #pragma unroll
         for (int n = 0; n < kDqProducts; ++n) fence_operands(dq[n]);
-        turn_begin();
         wgmma_fence();
         add_score_gradients_by_keys(dq, ds16, k_tile);
         wgmma_commit();
-        turn_end();
         wgmma_wait<0>();
 #pragma unroll
         for (int n = 0; n < kDqProducts; ++n) fence_operands(dq[n]);
         release_k(it);
     }
-
-    if (tiles.count > 0 && c == 0) turn_begin();
 
     // Epilogue: each warp stages its 16 rows of softmax_scale * dQ over its rows of Q (every product that read Q
     // has landed) and stores them, 16 bytes a lane, rows past the sequence and columns past the head dim left out.
