@@ -44,6 +44,9 @@ for d, dv, options in ((64, 64, {"causal": True}), (128, 128, {"deterministic": 
     flashtile.attention(q, k, v, **options).sum().backward()
 qv = qv.detach().requires_grad_()
 flashtile.varlen_attention(qv, qv, qv, cu, cu, 75, 75, causal=True).sum().backward()
+# d256 varlen: the dQ pass's last key blocks by cp.async, its causal blocks of 128 queries.
+wide_qv = torch.randn(80, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+flashtile.varlen_attention(wide_qv, wide_qv, wide_qv, cu, cu, 75, 75, causal=True).sum().backward()
 # Offsets that lie (past the packed rows, falling, longer than max_seqlen): the kernels clamp them on the device.
 lying = torch.tensor([0, 30, 10**6, 20, -5, 80], dtype=torch.int32, device="cuda")
 out, lse = ops.forward(qv, qv, qv, lying, lying, 40, 40, 0.125, -1, 0, 0.0, None, False)

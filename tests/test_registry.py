@@ -280,20 +280,20 @@ def test_backward_head_groups_divide_the_heads(monkeypatch, heads_q, heads_kv, l
     assert backward.kv_heads_per_launch(problem, module, rows) == expected
 
 
-def test_a_dq_pass_build_has_no_accumulator(monkeypatch):
-    """A Hopper backward tile with a dQ pass (d256's alternative) ends its spec with that pass, which has its own
-    shared memory; its deterministic mode is the same build (nothing is reduced), and no accumulator bounds the
+def test_the_dq_pass_serves_d256_without_an_accumulator(monkeypatch):
+    """Where the table gives the Hopper backward a dQ pass (d256), the spec ends with that pass, which has its own
+    shared memory; the deterministic mode is the same build (nothing is reduced), and no accumulator bounds the
     heads a launch takes."""
     from types import SimpleNamespace
 
-    tile = next(t for t in specs.BWD_WGMMA_ALTERNATIVES[256] if t.dq_pass)
-    spec = specs.bwd_wgmma_spec("bf16", 256, tile)
+    wgmma = next(f for f in backward.FAMILIES if f.name == "bwd-wgmma")
+    spec, repeatable = (wgmma.spec(Variant("bwd", BF16, 256, 256, frozenset(), "sm_90a", deterministic=deterministic))
+                        for deterministic in (False, True))
+    assert spec == repeatable and spec in registry.all_specs("sm_90a")
     assert spec.entries == ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq")
     assert dict(spec.defines)["FT_DQ_PASS"] == 1
     assert 0 < spec.dq_smem_bytes == specs.bwd_dq_pass_smem(256, 64) <= specs.smem_limit("sm_90a")
-    assert specs.bwd_wgmma_tile(256, 256, "sm_90a", deterministic=True).dq_pass == specs.BWD_WGMMA_TILES[256].dq_pass
-    monkeypatch.setattr(specs, "BWD_WGMMA_TILES", {**specs.BWD_WGMMA_TILES, 256: tile})
-    assert specs.bwd_wgmma_tile(256, 256, "sm_90a", deterministic=True) == tile
+    assert not any(t.dq_pass for t in specs.BWD_WGMMA_ALTERNATIVES[256])  # the reductions' build stays compiled
     monkeypatch.setattr(backward, "SCRATCH_LIMIT_BYTES", 1)
     problem = SimpleNamespace(heads_q=16, heads_kv=8)
     assert backward.kv_heads_per_launch(problem, SimpleNamespace(spec=spec), 10**6) == 8

@@ -675,16 +675,18 @@ BWD_WGMMA_TILES = {
     256: BwdWgmmaTile(64, 64, 2, "columns split: 64 keys shared by both warpgroups, each with half of dK, dV and dQ "
                                  "(64 registers each); warpgroup 0 S^T and P^T, warpgroup 1 dP^T and dS^T, both "
                                  "through shared memory; 226 KB. Faster than sdpa-flash and bwd_grid.cu; S^T/dP^T "
-                                 "split by queries instead is slower (both warpgroups read all of K and V)"),
+                                 "split by queries instead is slower (both warpgroups read all of K and V). dQ by a "
+                                 "pass of its own (128 queries a block): 1.5x the main kernel's own dQ, whose fp32 "
+                                 "reductions into L2 bound it",
+                      dq_pass=True),
 }
 # Builds of BWD_WGMMA_TILES' rows measured beside them and not taken (docs/notes.md, sessions twenty-five and
 # twenty-six): CI compiles them, scripts/tune_bwd.py times them.
 BWD_WGMMA_ALTERNATIVES = {
     128: (replace(BWD_WGMMA_TILES[128], dq_turns=False, dq_buffers=1, dq_boxes=False,
                   why="dQ split by columns, one padded staged tile that the writer adds by row reductions (slower)"),),
-    256: (replace(BWD_WGMMA_TILES[256], dq_pass=True,
-                  why="dQ by a pass of its own (the main kernel's dQ reductions into L2 bound d256): built, not yet "
-                      "measured"),),
+    256: (replace(BWD_WGMMA_TILES[256], dq_pass=False,
+                  why="dQ by the main kernel's consumers, fp32 atomics into an accumulator (a third slower)"),),
 }
 # dS^T (and P^T) in two buffers that alternate by step: with no block barrier between steps, one warpgroup may
 # write the next step's while the other still reads this step's.
