@@ -292,7 +292,9 @@ def test_the_dq_pass_serves_d256_without_an_accumulator(monkeypatch):
     assert spec == repeatable and spec in registry.all_specs("sm_90a")
     assert spec.entries == ("attn_bwd_preprocess", "attn_bwd", "attn_bwd_dq")
     assert dict(spec.defines)["FT_DQ_PASS"] == 1
-    assert 0 < spec.dq_smem_bytes == specs.bwd_dq_pass_smem(256, 64) <= specs.smem_limit("sm_90a")
+    warps = dict(spec.defines)["FT_WARPS"]
+    assert 0 < spec.dq_smem_bytes == specs.bwd_dq_pass_smem(256, 64, warps) <= specs.smem_limit("sm_90a")
+    assert specs.bwd_dq_pass_rows(warps) == 2 * specs.WGMMA_M  # two consumer warpgroups of 64 queries
     assert not any(t.dq_pass for t in specs.BWD_WGMMA_ALTERNATIVES[256])  # the reductions' build stays compiled
     monkeypatch.setattr(backward, "SCRATCH_LIMIT_BYTES", 1)
     problem = SimpleNamespace(heads_q=16, heads_kv=8)

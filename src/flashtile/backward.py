@@ -91,7 +91,7 @@ def plan(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, ls
     main = tuple(Launch(kernels[entry], key_grid, warps * WARP, spec.smem_bytes) for entry in spec.entries[1:-1])
     dq_pass = spec.dq_smem_bytes > 0
     if dq_pass:
-        query_grid = (math.ceil(problem.seqlen_q / specs.BWD_DQ_PASS_ROWS), problem.heads_q, problem.batch)
+        query_grid = (math.ceil(problem.seqlen_q / specs.bwd_dq_pass_rows(warps)), problem.heads_q, problem.batch)
         last = Launch(kernels["attn_bwd_dq"], query_grid, warps * WARP, spec.dq_smem_bytes)
     else:
         last = Launch(kernels["attn_bwd_dq_convert"], row_grid, row_warps * WARP, 0)

@@ -736,23 +736,28 @@ def bwd_wgmma_spec(dtype: str, d: int, tile: BwdWgmmaTile) -> KernelSpec:
                ("FT_CONSUMER_REGISTERS", consumer_registers(tile.warps // WARPGROUP_WARPS - 1, producer)),
                *ROW_DEFINES)
     if tile.dq_pass:
-        defines += (("FT_DQ_PASS", 1),)
+        defines += (("FT_DQ_PASS", 1), ("FT_DQ_K_STAGES", BWD_DQ_PASS_K_STAGES),
+                    ("FT_DQ_V_STAGES", BWD_DQ_PASS_V_STAGES))
     last = "attn_bwd_dq" if tile.dq_pass else "attn_bwd_dq_convert"
     return KernelSpec("wgmma/bwd.cu", ("attn_bwd_preprocess", "attn_bwd", last), dtype, "sm_90a",
                       defines, smem, kv_maps=KvBox(n, WIDE_BOX_COLS), q_map=KvBox(m, WIDE_BOX_COLS),
                       do_map=KvBox(m, WIDE_BOX_COLS), dq_map=DqBox(m, DQ_BOX_COLS, d) if tile.dq_boxes else None,
-                      dq_smem_bytes=bwd_dq_pass_smem(d, n) if tile.dq_pass else 0)
+                      dq_smem_bytes=bwd_dq_pass_smem(d, n, tile.warps) if tile.dq_pass else 0)
 
 
 # The dQ pass (kernels/wgmma/bwd_dq.cuh): a block holds the Q and dO of 64 queries per consumer warpgroup, K in a ring
 # of two stages and V in one (no more fits beside Q and dO at d256: V is read first and refilled behind dQ's product).
-BWD_DQ_PASS_ROWS = 2 * WGMMA_M  # queries per block: 64 per consumer warpgroup
 BWD_DQ_PASS_K_STAGES = 2
 BWD_DQ_PASS_V_STAGES = 1
 
 
-def bwd_dq_pass_smem(d: int, block_n: int) -> int:
-    storage = ((2 * BWD_DQ_PASS_ROWS + (BWD_DQ_PASS_K_STAGES + BWD_DQ_PASS_V_STAGES) * block_n) * d * ELEM_BYTES
+def bwd_dq_pass_rows(warps: int) -> int:
+    """Queries per block of the dQ pass: 64 per consumer warpgroup (the block's warps less the producer's)."""
+    return (warps // WARPGROUP_WARPS - 1) * WGMMA_M
+
+
+def bwd_dq_pass_smem(d: int, block_n: int, warps: int = 12) -> int:
+    storage = ((2 * bwd_dq_pass_rows(warps) + (BWD_DQ_PASS_K_STAGES + BWD_DQ_PASS_V_STAGES) * block_n) * d * ELEM_BYTES
                + (1 + 2 * BWD_DQ_PASS_K_STAGES + 2 * BWD_DQ_PASS_V_STAGES) * MBARRIER_BYTES)
     return -(-storage // SWIZZLE_ATOM_BYTES) * SWIZZLE_ATOM_BYTES
 

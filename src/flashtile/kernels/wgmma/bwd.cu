@@ -18,9 +18,10 @@
 //             split columns (d256; kBlockN = 64): dK and dV of 64 keys x 256 do not fit one warpgroup's
 //               registers, so each warpgroup owns half their columns. Warpgroup 0 computes S^T and P^T,
 //               warpgroup 1 dP^T and, once P^T is in shared memory, dS^T; then dV, dK (SS) and dQ take each
-//               warpgroup's half of the columns. Where specs.py says (FT_DQ_PASS), this kernel leaves dQ out and
-//               a pass of its own computes it (bwd_dq.cuh, included at the end of this file). (Splitting S^T and dP^T by queries instead, m64n32 products
+//               warpgroup's half of the columns. (Splitting S^T and dP^T by queries instead, m64n32 products
 //               reading all of K and V in both warpgroups, made that phase bound by shared-memory bandwidth.)
+//               Where specs.py says (FT_DQ_PASS), this kernel leaves dQ out and a pass of its own computes it
+//               (bwd_dq.cuh, included at the end of this file).
 //           Every operand starts on a 128-byte column block.
 //           Loads: a producer warp (warpgroup 0, its registers given to the consumers by setmaxnreg) brings K and
 //           V once and each step's Q and dO by the tensor memory accelerator, and the rows' LSE and D through

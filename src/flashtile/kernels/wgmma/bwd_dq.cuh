@@ -26,8 +26,8 @@ static_assert(!kSplitKeys && kBlockM == kWgmmaM && kBlockN == kWgmmaM,
               "the dQ pass reads the split-columns build's tiles: 64-row Q and dO tiles, 64-key K and V tiles");
 
 constexpr int kDqRows = kWarpgroups * kWgmmaM;  // queries per block: 64 per consumer warpgroup
-constexpr int kDqKStages = 2;
-constexpr int kDqVStages = 1;
+constexpr int kDqKStages = FT_DQ_K_STAGES;      // } specs.py BWD_DQ_PASS_*_STAGES
+constexpr int kDqVStages = FT_DQ_V_STAGES;      // }
 constexpr int kDqN = 128;                         // dQ's columns per product (the widest wgmma.cuh has)
 constexpr int kDqProducts = kHeadDim / kDqN;
 constexpr int kDqPassAccumulators = kDqN / 2;
