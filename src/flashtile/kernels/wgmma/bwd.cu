@@ -375,14 +375,10 @@ __device__ __forceinline__ void keep_turns(const BwdParams& p, const Mask& mask,
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps) {
     extern __shared__ __align__(kSwizzleAtomBytes) unsigned char smem_raw[];
-    SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
-    if (dynamic_smem_bytes() < sizeof(SharedStorage)) __trap();
-    if (smem_addr(smem_raw) % kSwizzleAtomBytes != 0) __trap();  // the swizzle pattern is anchored to 1024 bytes
+    SharedStorage& smem = checked_storage<SharedStorage>(smem_raw);
     const AttnParams& f = p.fwd;
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    // The warpgroup index must look uniform to the compiler (a product on a path it thinks divergent is
-    // serialized, ptxas info C7520): broadcast from lane 0.
-    const int warpgroup = __shfl_sync(kFullWarpMask, warp / kWarpgroupWarps, 0);
+    const int warpgroup = uniform_warpgroup();
 
     const KeyBlock block = key_block_of(p);
     const int n_block = block.n_block, h_kv = block.h_kv, b = blockIdx.z;

@@ -46,30 +46,13 @@ struct __align__(kSwizzleAtomBytes) DqStorage {
     u64 v_empty[kDqVStages];   // every consumer warp's dP has read it
 };
 
-// dq (64 rows x kHeadDim, in kDqProducts products) += dS K: dS from the registers as 16-bit A fragments, one per
-// k16 step of keys; K MN-major (a k16 step is 16 rows further, a product's columns two column blocks on).
-__device__ __forceinline__ void add_score_gradients_by_keys(float (&dq)[kDqProducts][kDqPassAccumulators],
-                                                            const u32 (&ds16)[kKeySteps][4], u32 k_tile) {
-#pragma unroll
-    for (int kk = 0; kk < kKeySteps; ++kk)
-#pragma unroll
-        for (int n = 0; n < kDqProducts; ++n)
-            wgmma_rs<1>(dq[n], ds16[kk],
-                        mn_major(k_tile + n * (kDqN / kSwizzleRowElems) * kColumnBlockBytes<KTile> +
-                                     kk * kWgmmaK * kSwizzleRowBytes,
-                                 kColumnBlockBytes<KTile>),
-                        1);
-}
-
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 attn_bwd_dq(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps) {
     extern __shared__ __align__(kSwizzleAtomBytes) unsigned char smem_raw[];
-    DqStorage& smem = *reinterpret_cast<DqStorage*>(smem_raw);
-    if (dynamic_smem_bytes() < sizeof(DqStorage)) __trap();
-    if (smem_addr(smem_raw) % kSwizzleAtomBytes != 0) __trap();  // the swizzle pattern is anchored to 1024 bytes
+    DqStorage& smem = checked_storage<DqStorage>(smem_raw);
     const AttnParams& f = p.fwd;
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    const int warpgroup = uniform(warp / kWarpgroupWarps);
+    const int warpgroup = uniform_warpgroup();
 
     // One block per kDqRows queries of one query head, heaviest first (under a causal mask the last rows see the
     // most keys).
@@ -250,7 +233,7 @@ attn_bwd_dq(const __grid_constant__ BwdParams p, const __grid_constant__ Maps ma
 #pragma unroll
         for (int n = 0; n < kDqProducts; ++n) fence_operands(dq[n]);
         wgmma_fence();
-        add_score_gradients_by_keys(dq, ds16, k_tile);
+        add_products_rs(dq, ds16, k_tile, kColumnBlockBytes<KTile>);  // dQ += dS K
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll

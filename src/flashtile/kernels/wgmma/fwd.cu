@@ -179,29 +179,11 @@ __device__ __forceinline__ void scores(float (&s)[kScoreAccumulators], u32 q_til
     }
 }
 
-// O += P V: P from the registers, V MN-major (a k16 step is 16 rows further; a product's columns span
-// kOutN / 64 column blocks).
-__device__ __forceinline__ void add_values(float (&o)[kOutProducts][kOutAccumulators], const u32 (&p16)[kScoreSteps][4],
-                                           u32 v_tile) {
-#pragma unroll
-    for (int kk = 0; kk < kScoreSteps; ++kk)
-#pragma unroll
-        for (int n = 0; n < kOutProducts; ++n)
-            wgmma_rs<1>(o[n], p16[kk],
-                        mn_major(v_tile + n * (kOutN / kSwizzleRowElems) * kColumnBlockBytes<VTile> +
-                                     kk * kWgmmaK * kSwizzleRowBytes,
-                                 kColumnBlockBytes<VTile>),
-                        1);
-}
-
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps maps) {
     extern __shared__ __align__(kSwizzleAtomBytes) unsigned char smem_raw[];
-    SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
-    if (dynamic_smem_bytes() < sizeof(SharedStorage)) __trap();
-    if (smem_addr(smem_raw) % kSwizzleAtomBytes != 0) __trap();  // the swizzle pattern is anchored to 1024 bytes
-    // The warpgroup index must look uniform to the compiler (wgmma on a path it thinks divergent is serialized).
-    const int warpgroup = uniform(threadIdx.x / kWarpgroupThreads);
+    SharedStorage& smem = checked_storage<SharedStorage>(smem_raw);
+    const int warpgroup = uniform_warpgroup();
 
     // Persistent blocks (FT_PERSISTENT): block i takes the work units i, i + gridDim.x, ... (then, with a tail
     // split, its run of the last round's key tiles; the plan launches
@@ -533,7 +515,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
             wgmma_fence();
             scores(s, q_tile, k_tile(it));
             wgmma_commit();
-            add_values(o, p16, v_tile(it - 1));
+            add_products_rs(o, p16, v_tile(it - 1), kColumnBlockBytes<VTile>);  // O += P V
             wgmma_commit();
             turn_end();
             wgmma_wait<1>();
@@ -561,7 +543,7 @@ attn_fwd(const __grid_constant__ AttnParams p, const __grid_constant__ QkvoMaps 
             turn_begin();
             fence_o();
             wgmma_fence();
-            add_values(o, p16, v_tile(hi - 1));
+            add_products_rs(o, p16, v_tile(hi - 1), kColumnBlockBytes<VTile>);
             wgmma_commit();
             turn_end();
             wgmma_wait<0>();

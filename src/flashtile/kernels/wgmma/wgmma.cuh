@@ -58,6 +58,14 @@ template <int kRegisters>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(kRegisters)); }
 template <int kRegisters>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(kRegisters)); }
+// The block's dynamic shared memory as a kernel's storage. Traps where the launch gave less than the storage needs,
+// or where the base is not on a swizzle atom (the 128-byte swizzle pattern is anchored to 1024 bytes).
+template <typename Storage>
+__device__ __forceinline__ Storage& checked_storage(unsigned char* smem_raw) {
+    if (dynamic_smem_bytes() < sizeof(Storage)) __trap();
+    if (smem_addr(smem_raw) % kSwizzleAtomBytes != 0) __trap();
+    return *reinterpret_cast<Storage*>(smem_raw);
+}
 // A barrier among `threads` threads (whole warps) of the block, by id; 0 is __syncthreads' own.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
@@ -70,6 +78,11 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // same in every lane: code that branches on a value the compiler thinks may differ between lanes loses the warp's
 // convergence, and every shuffle and warpgroup product after it pays for a WARPSYNC.
 template <typename T> __device__ __forceinline__ T uniform(T value) { return __shfl_sync(kFullWarpMask, value, 0); }
+// This thread's warpgroup, as a value the compiler sees is the same across the warp (wgmma on a path it thinks
+// divergent is serialized, ptxas info C7520).
+__device__ __forceinline__ int uniform_warpgroup() {
+    return (int)uniform(threadIdx.x / (unsigned)(kWarpgroupWarps * kWarpSize));
+}
 // A barrier that also returns to every thread whether any of them passed `value` true.
 __device__ __forceinline__ bool named_barrier_any(int id, int threads, bool value) {
     int any;
@@ -157,4 +170,21 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 
                  ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
                  : FT_WGMMA_ACC64
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+}
+
+// acc (64 rows x kProducts * 2 kAccumulators columns, one accumulator array per product) += A B: A from the
+// registers as 16-bit fragments, one per k16 step; B MN-major in shared memory (a k16 step is 16 rows further, a
+// product's columns its width / 64 column blocks on, column blocks `b_block_bytes` apart).
+template <int kSteps, int kProducts, int kAccumulators>
+__device__ __forceinline__ void add_products_rs(float (&acc)[kProducts][kAccumulators], const u32 (&a)[kSteps][4],
+                                                u32 b_tile, u32 b_block_bytes) {
+    constexpr int kBlocksPerProduct = 2 * kAccumulators / kSwizzleRowElems;
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk)
+#pragma unroll
+        for (int n = 0; n < kProducts; ++n)
+            wgmma_rs<1>(acc[n], a[kk],
+                        mn_major(b_tile + n * kBlocksPerProduct * b_block_bytes + kk * kWgmmaK * kSwizzleRowBytes,
+                                 b_block_bytes),
+                        1);
 }
