@@ -90,8 +90,8 @@ GROUPED_CASES = [case for case in CASES if case[4] > 1]  # more than one key/val
 @pytest.mark.parametrize("case", GROUPED_CASES, ids=[str(c) for c in GROUPED_CASES])
 def test_heads_in_groups_keep_the_host_path_and_its_bits(case, poisoned_outputs, poisoned_grads, request):
     """Past SCRATCH_LIMIT_BYTES the planned call runs its backward once per group of heads (the matrix's
-    training shapes do): C++ and Python alike, bit for bit what one launch over all heads gives (deterministic
-    mode), the LSE's gradient included."""
+    training shapes do; a backward with no dQ accumulator never groups): C++ and Python alike, bit for bit what
+    one launch over all heads gives (deterministic mode), the LSE's gradient included."""
     leaves = _leaves(case)
     q, k, v = leaves
     dout = torch.randn(*q.shape[:-1], v.shape[-1], device="cuda", dtype=q.dtype)
@@ -101,7 +101,9 @@ def test_heads_in_groups_keep_the_host_path_and_its_bits(case, poisoned_outputs,
     request.getfixturevalue("heads_in_groups")
     grouped = _train_step(case, leaves, dout, dlse)
     call = _host_call(q, k, v, case[-1])
-    assert call.host is not None and call.backward_plan.groups.count == case[4]
+    # A plan without an accumulator (the dQ pass: d256 on Hopper) has no scratch to budget: one launch for all heads.
+    groups = case[4] if call.backward_plan.accum_floats > 0 else 1
+    assert call.host is not None and call.backward_plan.groups.count == groups
     with host.python_path():
         python = _train_step(case, leaves, dout, dlse)
     for a, b, c in zip((whole[0], whole[1], *whole[2]), (grouped[0], grouped[1], *grouped[2]),
