@@ -569,7 +569,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
 
     auto step_body = [&](int step, int stage, bool masked) {
         const int head = h_first + step / m_tiles, m_tile = m_tile_of(step), m0 = m_tile * kBlockM;
-        const int g = (threadIdx.x % kWarpSize) / kQuad, t = threadIdx.x % kQuad;
+        const int t = threadIdx.x % kQuad;
         const u32 sq = q_smem + stage * kQStageBytes, sdo = do_smem + stage * kDoStageBytes;
         const u32 row_values = stage * kRowStageBytes + 2 * t * sizeof(float);  // this lane's column 0
         const u32 lse_row = lse_smem + row_values, dsum_row = dsum_smem + row_values;
