@@ -23,6 +23,8 @@ from .forward import FwdProblem
 from .launch import Launch
 
 TENSOR_MAP_FLOATS = specs.TENSOR_MAP_BYTES // 4  # a block's slot for its copy of a map, in the fp32 scratch
+EPILOGUE_MAPS = 2  # dK's and dV's
+VARLEN_MAPS = 4    # K's, V's, Q's and dO's, bounded by a varlen block's sequence
 
 WARP = 32
 DTYPES = (torch.float16, torch.bfloat16)
@@ -95,9 +97,8 @@ def plan(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, ls
         last = Launch(kernels["attn_bwd_dq"], query_grid, warps * WARP, spec.dq_smem_bytes)
     else:
         last = Launch(kernels["attn_bwd_dq_convert"], row_grid, row_warps * WARP, 0)
-    # Where the writer adds dQ boxes, each block completes its copy of the accumulator's map in a slot after it.
-    map_slots = math.prod(key_grid) * TENSOR_MAP_FLOATS if spec.dq_map is not None else 0
-    accum_floats = 0 if dq_pass else lse.numel() * defines["FT_HEAD_DIM"] + map_slots
+    map_slots = math.prod(key_grid) * TENSOR_MAP_FLOATS * block_maps(spec, varlen)
+    accum_floats = (0 if dq_pass else lse.numel() * defines["FT_HEAD_DIM"]) + map_slots
     boxes = None if spec.do_map is None else (spec.kv_maps, spec.q_map, spec.do_map) + (
         () if spec.dq_map is None else (spec.dq_map,))
     return plans.BwdPlan(
@@ -131,6 +132,15 @@ FAMILIES: tuple[Family, ...] = (
                                         softcap="softcap" in v.features, alibi="alibi" in v.features), plan,
            tile=lambda v: specs.bwd_tile(max(_padded(v)), v.arch, v.score_mods)),
 )
+
+
+def block_maps(spec, varlen: bool) -> int:
+    """The tensor maps each block of the Hopper backward completes on the device, in slots of the scratch after
+    the dQ accumulator (kernels/wgmma/bwd.cu, block_maps_of): the dQ writer's where it adds boxes, dK's and dV's
+    (their stores), and for a varlen problem K's, V's, Q's and dO's bounded by the block's sequence."""
+    if spec.do_map is None:  # the kernels that take no maps
+        return 0
+    return (spec.dq_map is not None) + EPILOGUE_MAPS + (VARLEN_MAPS if varlen else 0)
 
 
 def kv_heads_per_launch(problem: FwdProblem, module: launch.LoadedModule, query_rows: int) -> int:
