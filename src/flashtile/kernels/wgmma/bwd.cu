@@ -374,12 +374,14 @@ __device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams& p, const 
 }
 
 // A varlen block's tail maps, one a lane (0-3: K, V, Q, dO, their rows ending where the sequence ends), published to
-// lane 0, which issues every copy.
+// lane 0, which issues every copy. (An extent is never 0, which a map may not hold: a block of an empty query
+// sequence copies no query tile.)
 __device__ __forceinline__ void complete_tail_maps(TensorMap* own, const Maps& maps, const Problem& pr, int lane) {
     if (lane < kTailMaps) {
         TensorMap* slot = own + kTailKMap + lane;
+        const i64 end = lane < 2 ? pr.k_start + pr.seqlen_k : pr.q_start + pr.seqlen_q;
         tensormap_copy(slot, lane == 0 ? maps.k : lane == 1 ? maps.v : lane == 2 ? maps.q : maps.dout);
-        tensormap_set_extent<1>(slot, (u32)(lane < 2 ? pr.k_start + pr.seqlen_k : pr.q_start + pr.seqlen_q));
+        tensormap_set_extent<1>(slot, (u32)max(end, (i64)1));
         tensormap_publish(slot);
     }
     __syncwarp();
