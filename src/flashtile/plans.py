@@ -18,7 +18,7 @@ from .specs import DqBox, KvBox
 # The first ADDRESS_FIELDS of AttnParams are the tensors' addresses; everything after them is fixed by shapes,
 # strides and options. BwdParams appends BWD_ADDRESS_FIELDS more addresses, then its strides.
 ADDRESS_FIELDS = 9
-BWD_ADDRESS_FIELDS = 8
+BWD_ADDRESS_FIELDS = 9
 assert all(fmt == "Q" for _, fmt in launch.PARAM_FIELDS[:ADDRESS_FIELDS])
 assert all(fmt == "Q" for _, fmt in launch.BWD_EXTRA_FIELDS[:BWD_ADDRESS_FIELDS])
 ALIGN_BYTES = 16             # the kernels' vector loads: every operand's base address is a multiple of this
@@ -111,7 +111,7 @@ class BwdPlan:
     tail: tuple                          # AttnParams after its addresses (one head group's)
     bwd_tail: tuple                      # BwdParams after its own addresses: dO, dQ, dK, dV strides, m_blocks
     dout_stride: tuple[int, ...]         # dO must be laid out like the forward's output
-    lse_floats: int                      # D and the base-2 LSE: one float per query row of a head group each
+    lse_floats: int                      # D and the base-2 LSE: one float per scratch row of a head group each
     accum_floats: int                    # the fp32 dQ accumulator of a head group (and its blocks' map slots)
     semaphore_ints: int                  # deterministic mode's turn counters of a head group; 0 when off
     groups: HeadGroups
@@ -130,9 +130,10 @@ class BwdPlan:
             dlse=None):
         """(dq, dk, dv) shaped like q, k, v: fresh, or written into `grads` (laid out as the plan was built).
 
-        `dlse`, the gradient of the returned log-sum-exp (None: the loss does not use it), enters as D - dLSE:
-        d lse_i / d s_ij = P_ij, so dS = P * (dP - D + dLSE). The head groups run one after the other on the
-        stream, so they share one scratch buffer."""
+        `dlse`, the gradient of the returned log-sum-exp (None: the loss does not use it), enters as D - dLSE
+        (the preprocess kernel subtracts it, read laid out as the LSE): d lse_i / d s_ij = P_ij, so
+        dS = P * (dP - D + dLSE). The head groups run one after the other on the stream, so they share one scratch
+        buffer."""
         if dout.stride() != self.dout_stride or dout.data_ptr() % ALIGN_BYTES:
             dout = torch.empty_like(o).copy_(dout)
         dq, dk, dv = empty_grads(q, k, v) if grads is None else grads
@@ -154,15 +155,11 @@ class BwdPlan:
                 dlse_ = None if dlse is None else dlse.narrow(groups.lse_head_dim, qh.start, groups.q_heads)
                 slopes = None if alibi_slopes is None else alibi_slopes[..., qh]
             turns = 0 if semaphore is None else semaphore.data_ptr() + g * self.semaphore_ints * 4
+            if dlse_ is not None and (dlse_.dtype != FP32 or dlse_.stride() != lse_.stride()):
+                dlse_ = torch.empty_like(lse_).copy_(dlse_)  # laid out as the LSE, which the kernel reads it as
             params = ((q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o_.data_ptr(), lse_.data_ptr(), 0,
                        _address(cu_seqlens_q), _address(cu_seqlens_k), _address(slopes)) + self.tail
                       + (dout_.data_ptr(), dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), base + accum_at * 4, base,
-                         base + self.lse_floats * 4, turns) + self.bwd_tail)
-            extra = self.maps_for(q_, k_, v_, dout_)
-            if dlse_ is None:
-                launch.run(self.launches, params, launch.BWD_PARAMS_STRUCT, extra)
-            else:
-                launch.run(self.launches[:1], params, launch.BWD_PARAMS_STRUCT, extra)  # the preprocess writes D
-                scratch[:self.lse_floats].view(lse_.shape).sub_(dlse_)
-                launch.run(self.launches[1:], params, launch.BWD_PARAMS_STRUCT, extra)
+                         base + self.lse_floats * 4, turns, _address(dlse_)) + self.bwd_tail)
+            launch.run(self.launches, params, launch.BWD_PARAMS_STRUCT, self.maps_for(q_, k_, v_, dout_))
         return dq, dk, dv

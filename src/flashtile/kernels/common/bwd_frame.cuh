@@ -138,7 +138,7 @@ struct QueryRing {
         do_loader.issue(do_smem + stage * kDoStageBytes, m0, pr0.seqlen_q, head * p.do_head_stride);
         if (threadIdx.x < kBlockM) {
             const int row = m0 + threadIdx.x;
-            const i64 at = pr0.lse_offset + head * f.lse_head_stride + row;
+            const i64 at = pr0.scratch_offset + head * scratch_head_stride(f) + row;
             const bool valid = row < pr0.seqlen_q;
             cp_async_4(lse_smem + stage * kRowStageBytes + threadIdx.x * 4, valid ? p.lse_log2 + at : p.lse_log2, valid);
             cp_async_4(dsum_smem + stage * kRowStageBytes + threadIdx.x * 4, valid ? p.dsum + at : p.dsum, valid);
@@ -252,7 +252,8 @@ struct DqTurn {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// Preprocess, one warp per query row: D = rowsum(dO o O), the LSE in base 2, dq_accum zeroed.
+// Preprocess, one warp per query row: D = rowsum(dO o O) - dLSE, the LSE in base 2, dq_accum zeroed; the scratch
+// rows that pad the problem to whole tiles get zeros in D and the LSE.
 // ---------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kRowWarps * kWarpSize)
 attn_bwd_preprocess(const __grid_constant__ BwdParams p) {
@@ -264,7 +265,12 @@ attn_bwd_preprocess(const __grid_constant__ BwdParams p) {
                          row_offset(p.do_batch_stride, p.do_row_stride, p.do_head_stride, b, pr.q_start, h);
     for (int r = warp; r < kPreprocessRows; r += kRowWarps) {
         const int row = blockIdx.x * kPreprocessRows + r;
-        if (row >= pr.seqlen_q) return;
+        if (row >= round_up_to_tile(pr.seqlen_q)) return;
+        const i64 at = pr.scratch_offset + row;
+        if (row >= pr.seqlen_q) {
+            if (lane == 0) p.dsum[at] = p.lse_log2[at] = 0.f;
+            continue;
+        }
         float dot = 0.f;
         for (int col = lane * kElemsPerVector; col < p.fwd.head_dim_v; col += kWarpSize * kElemsPerVector) {
             float o8[kElemsPerVector], do8[kElemsPerVector];
@@ -274,10 +280,9 @@ attn_bwd_preprocess(const __grid_constant__ BwdParams p) {
             for (int i = 0; i < kElemsPerVector; ++i) dot += o8[i] * do8[i];
         }
         dot = warp_sum(dot);
-        const i64 at = pr.lse_offset + row;
         if (lane == 0) {
-            const float lse = p.fwd.lse[at];
-            p.dsum[at] = dot;
+            const float lse = p.fwd.lse[pr.lse_offset + row];
+            p.dsum[at] = p.dlse != nullptr ? dot - p.dlse[pr.lse_offset + row] : dot;
             p.lse_log2[at] = lse == kNegInf ? -kNegInf : lse * kLog2e;
         }
         if constexpr (!kDqPass) {
@@ -300,7 +305,7 @@ attn_bwd_dq_convert(const __grid_constant__ BwdParams p) {
     for (int r = warp; r < kPreprocessRows; r += kRowWarps) {
         const int row = blockIdx.x * kPreprocessRows + r;
         if (row >= pr.seqlen_q) return;
-        const float* accum = p.dq_accum + (pr.lse_offset + row) * kHeadDim;
+        const float* accum = p.dq_accum + (pr.scratch_offset + row) * kHeadDim;
         for (int col = lane * kElemsPerVector; col < p.fwd.head_dim; col += kWarpSize * kElemsPerVector) {
             uint4 packed;
             u32* words = reinterpret_cast<u32*>(&packed);

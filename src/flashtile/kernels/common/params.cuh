@@ -53,7 +53,29 @@ struct Problem {
     int seqlen_q, seqlen_k;
     i64 q_start, k_start;  // first packed row of this sequence (varlen), 0 otherwise
     i64 q_offset, k_offset, v_offset, o_offset, lse_offset;
+    i64 scratch_offset;  // the backward's: this problem's first row of D, the base-2 LSE and dQ's accumulator
 };
+
+// The backward's scratch rows (D, the base-2 LSE and the fp32 dQ accumulator's rows): each problem's query rows,
+// padded to whole tiles of kScratchTile rows (zeros in D and the LSE), so that a query tile's rows start 16-byte
+// aligned and rows past the sequence read as zeros (wgmma/bwd.cu copies a tile's D and LSE whole, by the copy
+// engine). Heads lie scratch_head_stride rows apart; within a head, batch entries (varlen: packed sequences, the
+// b-th from (cu_seqlens_q[b] + b * kScratchTile) rounded down to a tile, which leaves every earlier sequence's
+// tiles whole). backward.py (scratch_rows) sizes the same layout.
+constexpr int kScratchTile = 128;
+__device__ __forceinline__ i64 round_up_to_tile(i64 rows) {
+    return (rows + kScratchTile - 1) / kScratchTile * kScratchTile;
+}
+__device__ __forceinline__ i64 scratch_head_stride(const AttnParams& p) {
+    // varlen: the packed rows (the LSE's head stride) with a tile of slack per sequence
+    if (p.cu_seqlens_q != nullptr) return round_up_to_tile(p.lse_head_stride + (i64)p.batch * kScratchTile);
+    return (i64)p.batch * round_up_to_tile(p.seqlen_q);
+}
+__device__ __forceinline__ i64 scratch_row0(const AttnParams& p, int b, int h, i64 q_start) {
+    if (p.cu_seqlens_q != nullptr)
+        return h * scratch_head_stride(p) + (q_start + (i64)b * kScratchTile) / kScratchTile * kScratchTile;
+    return h * scratch_head_stride(p) + b * round_up_to_tile(p.seqlen_q);
+}
 
 __device__ __forceinline__ Problem locate_problem(const AttnParams& p, int b, int h) {
     Problem pr;
@@ -75,6 +97,7 @@ __device__ __forceinline__ Problem locate_problem(const AttnParams& p, int b, in
     pr.v_offset = b * p.v_batch_stride + k_start * p.v_row_stride + h_kv * p.v_head_stride;
     pr.o_offset = b * p.o_batch_stride + q_start * p.o_row_stride + h * p.o_head_stride;
     pr.lse_offset = b * p.lse_batch_stride + h * p.lse_head_stride + q_start;
+    pr.scratch_offset = scratch_row0(p, b, h, q_start);
     return pr;
 }
 
@@ -86,10 +109,11 @@ struct BwdParams {
     void* dq;
     void* dk;
     void* dv;
-    float* dq_accum;       // fp32 dQ, (row of the lse layout) x FT_HEAD_DIM; zeroed by the preprocess kernel
-    float* dsum;           // D = rowsum(dO * O), lse layout
-    float* lse_log2;       // lse * log2(e), +inf for rows that see no key (so their P is 0), lse layout
+    float* dq_accum;       // fp32 dQ, (scratch row) x FT_HEAD_DIM; zeroed by the preprocess kernel
+    float* dsum;           // D = rowsum(dO * O) - dLSE, one per scratch row (scratch_row0 above)
+    float* lse_log2;       // lse * log2(e), +inf for rows that see no key (so their P is 0), one per scratch row
     int* dq_semaphore;     // deterministic mode: (batch, heads_q, m_blocks) turn counters; null otherwise
+    const float* dlse;     // the returned LSE's gradient, laid out as the LSE; null where the loss does not use it
 
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 dq_batch_stride, dq_row_stride, dq_head_stride;

@@ -44,6 +44,13 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
                  " @!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
 }
 
+// `bytes` (a multiple of 16) from global memory at `src` into shared memory at `dst`, both 16-byte aligned, by the
+// copy engine (no map: one contiguous run); bytes count on `bar` as a box's do.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
 // One box of a 5-D map at coordinates (c0 innermost .. c4).
 __device__ __forceinline__ void tma_load_5d(u32 dst, const TensorMap& map, int c0, int c1, int c2, int c3, int c4,
                                             u32 bar) {
@@ -85,7 +92,7 @@ __device__ __forceinline__ void tensormap_acquire(const TensorMap* slot) {
 // published by tensormap_publish to this thread's later copies through it, and to another thread's of the block
 // after a barrier and its tensormap_acquire. One thread per slot.
 __device__ __forceinline__ void tensormap_copy(TensorMap* slot, const TensorMap& from) {
-#pragma unroll
+#pragma unroll 4  // a few words in flight: the producer warps that copy maps have few registers
     for (int i = 0; i < 16; ++i) slot->opaque[i] = from.opaque[i];
 }
 __device__ __forceinline__ void tensormap_set_address(TensorMap* slot, const void* address) {

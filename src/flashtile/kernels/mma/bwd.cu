@@ -269,7 +269,8 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
                     pack2<elem_t>(ds[j][2 * half], ds[j][2 * half + 1]);
         const DqTurn turn(p, mask, b, head, m_tile, m0, n_block);  // deterministic mode: wait for this dQ tile
         __syncthreads();
-        float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
+        const i64 row0 = pr0.scratch_offset + (head - h_first) * scratch_head_stride(f) + m0;  // a scratch row
+        float* accum = p.dq_accum + row0 * kHeadDim;
         for (int piece = warp; piece < kDqPieces; piece += kWarps) {
             const int row0 = (piece % (kBlockM / kDqRows)) * kDqRows, col0 = (piece / (kBlockM / kDqRows)) * kDqCols;
             float acc[kDqSlabs][kDqCols / kMmaN][4] = {};

@@ -278,7 +278,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
         }
 
         // Phase 3. dQ = dS K for this warp's queries x columns, added into dq_accum.
-        float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
+        const i64 row0 = pr0.scratch_offset + (head - h_first) * scratch_head_stride(f) + m0;  // a scratch row
+        float* accum = p.dq_accum + row0 * kHeadDim;
 #pragma unroll
         for (int pass = 0; pass < kDqPasses; ++pass) {
             const int col0 = col0_3 + pass * kQTilesPerPass * kMmaN;

@@ -24,10 +24,11 @@
 //               (bwd_dq.cuh, included at the end of this file).
 //           Every operand starts on a 128-byte column block.
 //           Loads: a producer warp (warpgroup 0, its registers given to the consumers by setmaxnreg) brings K and
-//           V once and each step's Q and dO by the tensor memory accelerator, and the rows' LSE and D through
-//           its registers, into a ring of kStages stages with a "full" and an "empty" mbarrier each. The consumers
-//           wait only for the stage they need and meet once a step, at a named barrier of their own before dQ
-//           (dS^T is shared); dS^T (and P^T) alternate between two buffers, so that barrier is the only one.
+//           V once and each step's Q and dO by the tensor memory accelerator, and the rows' LSE and D by bulk
+//           copies from the scratch, into a ring of kStages stages with a "full" and an "empty" mbarrier each. The
+//           consumers wait only for the stage they need and meet once a step, at a named barrier of their own
+//           before dQ (dS^T is shared); dS^T (and P^T) alternate between two buffers, so that barrier is the only
+//           one.
 //           A varlen block copies through maps of its own whose rows end where its sequence ends (the whole
 //           tensor's would bring the next sequence's rows into its last query tile and key block).
 //           Epilogue: the consumers stage dK and dV where K and V were, and the producer warp stores both tiles by
@@ -178,11 +179,13 @@ struct __align__(kSwizzleAtomBytes) SharedStorage : ProbabilityTile<!kSplitKeys>
     elem_t q[kStages][QTile::kElems];
     elem_t dout[kStages][DoTile::kElems];
     elem_t ds[kScoreBuffers][DsTile::kElems];
-    float lse_log2[kStages][kBlockM];
-    float dsum[kStages][kBlockM];
+    alignas(16) float lse_log2[kStages][kBlockM];  // bulk copies' destinations
+    alignas(16) float dsum[kStages][kBlockM];
     u64 kv_full;                 // K and V have landed
-    u64 full[kStages];           // a step's Q, dO (the copy engine) and LSE, D (the producer warp's lanes)
+    u64 full[kStages];           // a step's Q, dO, LSE and D have landed (the copy engine)
     u64 empty[kStages];          // every consumer warp is done with the stage
+    TensorMap* own_maps;         // the producer warp's: its block's maps (block_maps_of); held in its registers across
+                                 // the loop, the place spilled
 };
 
 // acc (64 keys x kBlockM queries) = A B^T over the head dim: A = 64 rows of K or V, B = rows of the query
@@ -317,7 +320,7 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
         }
         named_barrier_sync(kDqFullBarrier + buffer, kDqHandoffThreads);
         if constexpr (kDqBoxes) {  // by lane 0, which completed the map (and alone acquired it)
-            const i64 row0 = pr0.lse_offset + (head - h_first) * p.fwd.lse_head_stride + m0;  // an accumulator row
+            const i64 row0 = pr0.scratch_offset + (head - h_first) * scratch_head_stride(p.fwd) + m0;  // a scratch row
             if (lane == 0) {
 #pragma unroll 1
                 for (int box = 0; box < kHeadDim / kDqBoxCols; ++box)
@@ -325,7 +328,8 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
                                       (int)row0);
             }
         } else {
-            float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * p.fwd.lse_head_stride + m0) * kHeadDim;
+            const i64 row0 = pr0.scratch_offset + (head - h_first) * scratch_head_stride(p.fwd) + m0;
+            float* accum = p.dq_accum + row0 * kHeadDim;
             const int rows = min(kBlockM, pr0.seqlen_q - m0);
 #pragma unroll 1
             for (int r = lane; r < rows; r += kWarpSize)
@@ -463,7 +467,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
     if (threadIdx.x == kProducerThread) {
         mbarrier_init(kv_full, 1);
         for (int s = 0; s < kStages; ++s) {
-            mbarrier_init(full + s * kMbarrierBytes, 1 + kWarpSize);  // the copy engine's bytes, the warp's lanes
+            mbarrier_init(full + s * kMbarrierBytes, 1);  // the copy engine's bytes
             mbarrier_init(empty + s * kMbarrierBytes, kConsumerWarps);
         }
         mbarrier_init_fence();
@@ -474,8 +478,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
     // batch entry; rows past the tensor read as zeros.
     const int map_batch = varlen ? 0 : b;
     if (warpgroup == 0) {
-        // Producer: K and V once, then each step's Q and dO by the copy engine and its rows' LSE (base 2) and D by
-        // the warp's lanes (rows past the sequence read as zeros), into the ring as soon as a stage is free.
+        // Producer: K and V once, then each step's Q, dO and its rows' LSE (base 2) and D, all by the copy engine
+        // (lane 0 issues every copy), into the ring as soon as a stage is free.
         setmaxnreg_dec<kProducerRegisters>();
         if (kDqWriter && warp >= kWriterWarp && warp < kWriterWarp + kDqWriters) {
             const int writer = warp - kWriterWarp;
@@ -488,7 +492,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
             return;
         }
         if (warp != 0) return;
-        TensorMap* const own_maps = block_maps_of(p) + kDqBoxes;
+        TensorMap* own_maps = block_maps_of(p) + kDqBoxes;
+        if (lane == 0) smem.own_maps = own_maps;
         // A varlen sequence's copies go through the block's tail maps: through the whole tensor's, its last query
         // tile and key block would bring the next sequence's rows.
         if (varlen) complete_tail_maps(own_maps, maps, pr0, lane);
@@ -505,14 +510,17 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
             }
         }
         const int q_row0 = opaque((int)pr0.q_start);  // held as 32 bits (the maps take 32-bit coordinates)
+        // The group's first scratch row and the rows between heads, held as 32 bits too (a scratch of 2^31 rows
+        // would stand for q and dO tensors of 2^37 elements at least).
+        const int scratch_row1 = opaque((int)pr0.scratch_offset), scratch_heads = opaque((int)scratch_head_stride(f));
         for (int step = 0; step < steps; ++step) {
             const int stage = step % kStages, round = step / kStages;
             const int head = h_first + step / m_tiles, m0 = m_tile_of(step) * kBlockM;
             const u32 bar = full + stage * kMbarrierBytes;
             if (round > 0) mbarrier_wait(empty + stage * kMbarrierBytes, (round - 1) & 1);
             if (lane == 0) {
-                mbarrier_arrive_expect_bytes(bar, kQStageBytes + kDoStageBytes);
-                const TensorMap* const q_and_do = varlen ? own_maps + kTailQMap : &maps.q;  // dO's map follows
+                mbarrier_arrive_expect_bytes(bar, kQStageBytes + kDoStageBytes + 2 * kRowStageBytes);
+                const TensorMap* const q_and_do = varlen ? smem.own_maps + kTailQMap : &maps.q;  // dO's follows
                 const TensorMap& q_map = q_and_do[0];
                 const TensorMap& do_map = q_and_do[1];
 #pragma unroll
@@ -522,30 +530,18 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
                     tma_load_4d(do_smem + stage * kDoStageBytes + blk * kColumnBlockBytes<DoTile>, do_map,
                                 blk * kSwizzleRowElems, q_row0 + m0, head, map_batch, bar);
                 }
+                // The rows' base-2 LSE and D: one aligned run of the scratch each, zeros past the sequence.
+                const int row0 = scratch_row1 + (head - h_first) * scratch_heads + m0;
+                bulk_load(lse_smem + stage * kRowStageBytes, p.lse_log2 + row0, kRowStageBytes, bar);
+                bulk_load(dsum_smem + stage * kRowStageBytes, p.dsum + row0, kRowStageBytes, bar);
             }
-            // The rows' LSE and D through registers: each lane's arrival (a release) publishes its stores.
-            // (The rows' offset worked out again each step, as the varlen tail's above.)
-            const i64 lse_row0 = locate_problem(f, opaque(b), head).lse_offset;
-            float lse_rows[kBlockM / kWarpSize], dsum_rows[kBlockM / kWarpSize];
-#pragma unroll
-            for (int i = 0; i < kBlockM / kWarpSize; ++i) {
-                const int row = m0 + lane + i * kWarpSize;
-                const i64 at = lse_row0 + row;
-                const bool valid = row < pr0.seqlen_q;
-                lse_rows[i] = valid ? p.lse_log2[at] : 0.f;
-                dsum_rows[i] = valid ? p.dsum[at] : 0.f;
-            }
-#pragma unroll
-            for (int i = 0; i < kBlockM / kWarpSize; ++i) {
-                smem.lse_log2[stage][lane + i * kWarpSize] = lse_rows[i];
-                smem.dsum[stage][lane + i * kWarpSize] = dsum_rows[i];
-            }
-            mbarrier_arrive(bar);
         }
 
         // The epilogue: dK's and dV's maps while the consumers finish; once they have staged dK and dV where K and
         // V were, lane 0 stores both tiles by the copy engine (column blocks wholly past the head dim are not
         // stored, rows past the sequence are not written) and waits until the copies have read the tiles.
+        __syncwarp();
+        own_maps = smem.own_maps;
         complete_epilogue_maps(own_maps, p, maps, pr0, varlen, lane);
         named_barrier_sync(kEpilogueBarrier, kEpilogueThreads);
         if (lane == 0) {
@@ -805,7 +801,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         if constexpr (kDqWriter) {
             stage_dq(dq, step);
         } else {
-            float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
+            const i64 row0 = pr0.scratch_offset + (head - h_first) * scratch_head_stride(f) + m0;
+            float* accum = p.dq_accum + row0 * kHeadDim;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = dq_row0 + row_in_group + 8 * half;

@@ -148,8 +148,8 @@ attn_bwd_dq(const __grid_constant__ BwdParams p, const __grid_constant__ Maps ma
     for (int half = 0; half < 2; ++half) {
         const int row = row0 + warp_in_group * kMmaM + g + 8 * half;
         const bool valid = row < pr.seqlen_q;
-        lse_log2[half] = valid ? p.lse_log2[pr.lse_offset + row] : -kNegInf;
-        dsum[half] = valid ? p.dsum[pr.lse_offset + row] : 0.f;
+        lse_log2[half] = valid ? p.lse_log2[pr.scratch_offset + row] : -kNegInf;
+        dsum[half] = valid ? p.dsum[pr.scratch_offset + row] : 0.f;
     }
 
     // The warpgroup's own key blocks [lo, hi) of the block's: under a causal mask its first rows see fewer keys.
