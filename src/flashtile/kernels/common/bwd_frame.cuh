@@ -41,6 +41,14 @@ constexpr u32 kElemBytes = sizeof(elem_t);
 constexpr int kPreprocessRows = FT_PREPROCESS_ROWS;           // rows per block of the two row kernels
 constexpr int kRowWarps = FT_ROW_WARPS;
 
+// A problem as the backward kernels see it: locate_problem's, and its first scratch row (params.cuh). (Worked out
+// here and not in locate_problem, which the forward kernels share: there the unused sum still moved their code.)
+__device__ __forceinline__ Problem locate_bwd_problem(const AttnParams& f, int b, int h) {
+    Problem pr = locate_problem(f, b, h);
+    pr.scratch_offset = scratch_row0(f, b, h, pr.q_start);
+    return pr;
+}
+
 // dq_accum += (a, b) at two neighbouring floats: one vector reduction on Hopper, two scalar ones before it.
 __device__ __forceinline__ void red_add2(float* address, float a, float b) {
 #if __CUDA_ARCH__ >= 900
@@ -259,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(kRowWarps * kWarpSize)
 attn_bwd_preprocess(const __grid_constant__ BwdParams p) {
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int h = blockIdx.y, b = blockIdx.z;
-    const Problem pr = locate_problem(p.fwd, b, h);
+    const Problem pr = locate_bwd_problem(p.fwd, b, h);
     const elem_t* out = static_cast<const elem_t*>(p.fwd.o) + pr.o_offset;
     const elem_t* dout = static_cast<const elem_t*>(p.dout) +
                          row_offset(p.do_batch_stride, p.do_row_stride, p.do_head_stride, b, pr.q_start, h);
@@ -299,7 +307,7 @@ extern "C" __global__ void __launch_bounds__(kRowWarps * kWarpSize)
 attn_bwd_dq_convert(const __grid_constant__ BwdParams p) {
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int h = blockIdx.y, b = blockIdx.z;
-    const Problem pr = locate_problem(p.fwd, b, h);
+    const Problem pr = locate_bwd_problem(p.fwd, b, h);
     elem_t* dq = static_cast<elem_t*>(p.dq) + row_offset(p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, b,
                                                          pr.q_start, h);
     for (int r = warp; r < kPreprocessRows; r += kRowWarps) {

@@ -53,7 +53,7 @@ struct Problem {
     int seqlen_q, seqlen_k;
     i64 q_start, k_start;  // first packed row of this sequence (varlen), 0 otherwise
     i64 q_offset, k_offset, v_offset, o_offset, lse_offset;
-    i64 scratch_offset;  // the backward's: this problem's first row of D, the base-2 LSE and dQ's accumulator
+    i64 scratch_offset;  // the backward's (bwd_frame.cuh, locate_bwd_problem): its first scratch row (below)
 };
 
 // The backward's scratch rows (D, the base-2 LSE and the fp32 dQ accumulator's rows): each problem's query rows,
@@ -97,7 +97,6 @@ __device__ __forceinline__ Problem locate_problem(const AttnParams& p, int b, in
     pr.v_offset = b * p.v_batch_stride + k_start * p.v_row_stride + h_kv * p.v_head_stride;
     pr.o_offset = b * p.o_batch_stride + q_start * p.o_row_stride + h * p.o_head_stride;
     pr.lse_offset = b * p.lse_batch_stride + h * p.lse_head_stride + q_start;
-    pr.scratch_offset = scratch_row0(p, b, h, q_start);
     return pr;
 }
 

@@ -126,7 +126,7 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
 
     const int n_block = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z;
     const int h_first = h_kv * f.group;
-    const Problem pr0 = locate_problem(f, b, h_first);
+    const Problem pr0 = locate_bwd_problem(f, b, h_first);
     const int n0 = n_block * kBlockN;
     if (n0 >= pr0.seqlen_k) return;
     const int n1 = min(n0 + kBlockN, pr0.seqlen_k);

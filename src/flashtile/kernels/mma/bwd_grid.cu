@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
     const KeyBlock block = key_block_of(p);  // deterministic mode: heads fastest (bwd_frame.cuh)
     const int n_block = block.n_block, h_kv = block.h_kv, b = blockIdx.z;
     const int h_first = h_kv * f.group;
-    const Problem pr0 = locate_problem(f, b, h_first);
+    const Problem pr0 = locate_bwd_problem(f, b, h_first);
     const int n0 = n_block * kBlockN;
     if (n0 >= pr0.seqlen_k) return;
     const int n1 = min(n0 + kBlockN, pr0.seqlen_k);
