@@ -512,7 +512,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         const int q_row0 = opaque((int)pr0.q_start);  // held as 32 bits (the maps take 32-bit coordinates)
         // The group's first scratch row and the rows between heads, held as 32 bits too (a scratch of 2^31 rows
         // would stand for q and dO tensors of 2^37 elements at least).
-        const int scratch_row1 = opaque((int)pr0.scratch_offset), scratch_heads = opaque((int)scratch_head_stride(f));
+        const int scratch_row1 = opaque((int)pr0.scratch_offset);
+        const int scratch_heads = opaque((int)scratch_head_stride(f));
         for (int step = 0; step < steps; ++step) {
             const int stage = step % kStages, round = step / kStages;
             const int head = h_first + step / m_tiles, m0 = m_tile_of(step) * kBlockM;
