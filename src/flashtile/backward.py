@@ -100,13 +100,15 @@ def plan(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, ls
     else:
         last = Launch(kernels["attn_bwd_dq_convert"], row_grid, row_warps * WARP, 0)
     map_slots = math.prod(key_grid) * TENSOR_MAP_FLOATS * block_maps(spec, varlen)
-    scratch = scratch_rows(problem, lse)
+    scratch_batch, scratch_head = scratch_strides(problem, lse)
+    scratch = problem.heads_q * scratch_head  # rows
     accum_floats = (0 if dq_pass else scratch * defines["FT_HEAD_DIM"]) + map_slots
     boxes = None if spec.do_map is None else (spec.kv_maps, spec.q_map, spec.do_map) + (
         () if spec.dq_map is None else (spec.dq_map,))
     return plans.BwdPlan(
         (rows, *main, last), problem.params(out, lse)[plans.ADDRESS_FIELDS:],
-        (*_strides(dout, varlen), *_strides(dq, varlen), *_strides(dk, varlen), *_strides(dv, varlen), m_blocks),
+        (*_strides(dout, varlen), *_strides(dq, varlen), *_strides(dk, varlen), *_strides(dv, varlen),
+         scratch_batch, scratch_head, m_blocks),
         dout.stride(), scratch, accum_floats,
         problem.batch * problem.heads_q * m_blocks if deterministic and not dq_pass else 0,
         plans.HeadGroups(groups, q_heads, kv_heads, lse_head_dim), boxes)
@@ -141,13 +143,14 @@ def _round_up(n: int, tile: int) -> int:
     return -(-n // tile) * tile
 
 
-def scratch_rows(problem: FwdProblem, lse: torch.Tensor) -> int:
-    """The backward's scratch rows for `problem`'s query heads (kernels/common/params.cuh, scratch_row0): each
-    (batch, head)'s query rows padded to whole tiles of SCRATCH_TILE; a varlen head's sequences packed with a tile
-    of slack each (its rows: the LSE's head stride, as the kernels read it, plus batch tiles, rounded up)."""
-    if problem.varlen:  # the LSE: (heads, packed rows)
-        return problem.heads_q * _round_up(lse.stride(0) + problem.batch * SCRATCH_TILE, SCRATCH_TILE)
-    return problem.heads_q * problem.batch * _round_up(problem.seqlen_q, SCRATCH_TILE)
+def scratch_strides(problem: FwdProblem, lse: torch.Tensor) -> tuple[int, int]:
+    """(batch, head) strides of the backward's scratch rows (kernels/common/params.cuh, scratch_row0), in rows:
+    each (batch, head)'s query rows padded to whole tiles of SCRATCH_TILE; a varlen head's sequences packed, with
+    a tile of slack each (its rows: the LSE's head stride, as the kernels read it, plus batch tiles, rounded up)."""
+    if problem.varlen:  # the LSE: (heads, packed rows); a sequence starts a tile further on per sequence before it
+        return SCRATCH_TILE, _round_up(lse.stride(0) + problem.batch * SCRATCH_TILE, SCRATCH_TILE)
+    rows = _round_up(problem.seqlen_q, SCRATCH_TILE)
+    return rows, problem.batch * rows
 
 
 def block_maps(spec, varlen: bool) -> int:

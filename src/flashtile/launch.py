@@ -49,6 +49,7 @@ BWD_EXTRA_FIELDS: tuple[tuple[str, str], ...] = (
     ("dq_batch_stride", "q"), ("dq_row_stride", "q"), ("dq_head_stride", "q"),
     ("dk_batch_stride", "q"), ("dk_row_stride", "q"), ("dk_head_stride", "q"),
     ("dv_batch_stride", "q"), ("dv_row_stride", "q"), ("dv_head_stride", "q"),
+    ("scratch_batch_stride", "q"), ("scratch_head_stride", "q"),
     ("m_blocks", "i"),
 )
 BWD_PARAM_FIELDS = PARAM_FIELDS + BWD_EXTRA_FIELDS

@@ -109,7 +109,7 @@ class HeadGroups:
 class BwdPlan:
     launches: tuple[launch.Launch, ...]  # preprocess, the main kernel (or its two passes), the dQ conversion
     tail: tuple                          # AttnParams after its addresses (one head group's)
-    bwd_tail: tuple                      # BwdParams after its own addresses: dO, dQ, dK, dV strides, m_blocks
+    bwd_tail: tuple                      # BwdParams after its addresses: dO, dQ, dK, dV, scratch strides, m_blocks
     dout_stride: tuple[int, ...]         # dO must be laid out like the forward's output
     lse_floats: int                      # D and the base-2 LSE: one float per scratch row of a head group each
     accum_floats: int                    # the fp32 dQ accumulator of a head group (and its blocks' map slots)

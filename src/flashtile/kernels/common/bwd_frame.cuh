@@ -43,9 +43,9 @@ constexpr int kRowWarps = FT_ROW_WARPS;
 
 // A problem as the backward kernels see it: locate_problem's, and its first scratch row (params.cuh). (Worked out
 // here and not in locate_problem, which the forward kernels share: there the unused sum still moved their code.)
-__device__ __forceinline__ Problem locate_bwd_problem(const AttnParams& f, int b, int h) {
-    Problem pr = locate_problem(f, b, h);
-    pr.scratch_offset = scratch_row0(f, b, h, pr.q_start);
+__device__ __forceinline__ Problem locate_bwd_problem(const BwdParams& p, int b, int h) {
+    Problem pr = locate_problem(p.fwd, b, h);
+    pr.scratch_offset = scratch_row0(p, b, h, pr.q_start);
     return pr;
 }
 
@@ -146,7 +146,7 @@ struct QueryRing {
         do_loader.issue(do_smem + stage * kDoStageBytes, m0, pr0.seqlen_q, head * p.do_head_stride);
         if (threadIdx.x < kBlockM) {
             const int row = m0 + threadIdx.x;
-            const i64 at = pr0.scratch_offset + head * scratch_head_stride(f) + row;
+            const i64 at = pr0.scratch_offset + head * p.scratch_head_stride + row;
             const bool valid = row < pr0.seqlen_q;
             cp_async_4(lse_smem + stage * kRowStageBytes + threadIdx.x * 4, valid ? p.lse_log2 + at : p.lse_log2, valid);
             cp_async_4(dsum_smem + stage * kRowStageBytes + threadIdx.x * 4, valid ? p.dsum + at : p.dsum, valid);
@@ -267,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(kRowWarps * kWarpSize)
 attn_bwd_preprocess(const __grid_constant__ BwdParams p) {
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int h = blockIdx.y, b = blockIdx.z;
-    const Problem pr = locate_bwd_problem(p.fwd, b, h);
+    const Problem pr = locate_bwd_problem(p, b, h);
     const elem_t* out = static_cast<const elem_t*>(p.fwd.o) + pr.o_offset;
     const elem_t* dout = static_cast<const elem_t*>(p.dout) +
                          row_offset(p.do_batch_stride, p.do_row_stride, p.do_head_stride, b, pr.q_start, h);
@@ -307,7 +307,7 @@ extern "C" __global__ void __launch_bounds__(kRowWarps * kWarpSize)
 attn_bwd_dq_convert(const __grid_constant__ BwdParams p) {
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int h = blockIdx.y, b = blockIdx.z;
-    const Problem pr = locate_bwd_problem(p.fwd, b, h);
+    const Problem pr = locate_bwd_problem(p, b, h);
     elem_t* dq = static_cast<elem_t*>(p.dq) + row_offset(p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, b,
                                                          pr.q_start, h);
     for (int r = warp; r < kPreprocessRows; r += kRowWarps) {

@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
     const KeyBlock block = key_block_of(p);  // deterministic mode: heads fastest (bwd_frame.cuh)
     const int n_block = block.n_block, h_kv = block.h_kv, b = blockIdx.z;
     const int h_first = h_kv * f.group;
-    const Problem pr0 = locate_bwd_problem(f, b, h_first);
+    const Problem pr0 = locate_bwd_problem(p, b, h_first);
     const int n0 = n_block * kBlockN;
     if (n0 >= pr0.seqlen_k) return;
     const int n1 = min(n0 + kBlockN, pr0.seqlen_k);
@@ -278,8 +278,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
         }
 
         // Phase 3. dQ = dS K for this warp's queries x columns, added into dq_accum.
-        const i64 row0 = pr0.scratch_offset + (head - h_first) * scratch_head_stride(f) + m0;  // a scratch row
-        float* accum = p.dq_accum + row0 * kHeadDim;
+        float* accum = p.dq_accum + (pr0.scratch_offset + (head - h_first) * p.scratch_head_stride + m0) * kHeadDim;
 #pragma unroll
         for (int pass = 0; pass < kDqPasses; ++pass) {
             const int col0 = col0_3 + pass * kQTilesPerPass * kMmaN;

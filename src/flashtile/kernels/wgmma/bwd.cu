@@ -320,7 +320,7 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
         }
         named_barrier_sync(kDqFullBarrier + buffer, kDqHandoffThreads);
         if constexpr (kDqBoxes) {  // by lane 0, which completed the map (and alone acquired it)
-            const i64 row0 = pr0.scratch_offset + (head - h_first) * scratch_head_stride(p.fwd) + m0;  // a scratch row
+            const i64 row0 = pr0.scratch_offset + (head - h_first) * p.scratch_head_stride + m0;  // a scratch row
             if (lane == 0) {
 #pragma unroll 1
                 for (int box = 0; box < kHeadDim / kDqBoxCols; ++box)
@@ -328,7 +328,7 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
                                       (int)row0);
             }
         } else {
-            const i64 row0 = pr0.scratch_offset + (head - h_first) * scratch_head_stride(p.fwd) + m0;
+            const i64 row0 = pr0.scratch_offset + (head - h_first) * p.scratch_head_stride + m0;
             float* accum = p.dq_accum + row0 * kHeadDim;
             const int rows = min(kBlockM, pr0.seqlen_q - m0);
 #pragma unroll 1
@@ -444,7 +444,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
     const KeyBlock block = key_block_of(p);
     const int n_block = block.n_block, h_kv = block.h_kv, b = blockIdx.z;
     const int h_first = h_kv * f.group;
-    const Problem pr0 = locate_bwd_problem(f, b, h_first);
+    const Problem pr0 = locate_bwd_problem(p, b, h_first);
     const int n0 = n_block * kBlockN;
     if (n0 >= pr0.seqlen_k) return;
     const int n1 = min(n0 + kBlockN, pr0.seqlen_k);
@@ -513,7 +513,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         // The group's first scratch row and the rows between heads, held as 32 bits too (a scratch of 2^31 rows
         // would stand for q and dO tensors of 2^37 elements at least).
         const int scratch_row1 = opaque((int)pr0.scratch_offset);
-        const int scratch_heads = opaque((int)scratch_head_stride(f));
+        const int scratch_heads = opaque((int)p.scratch_head_stride);
         for (int step = 0; step < steps; ++step) {
             const int stage = step % kStages, round = step / kStages;
             const int head = h_first + step / m_tiles, m0 = m_tile_of(step) * kBlockM;
@@ -802,7 +802,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         if constexpr (kDqWriter) {
             stage_dq(dq, step);
         } else {
-            const i64 row0 = pr0.scratch_offset + (head - h_first) * scratch_head_stride(f) + m0;
+            const i64 row0 = pr0.scratch_offset + (head - h_first) * p.scratch_head_stride + m0;
             float* accum = p.dq_accum + row0 * kHeadDim;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {

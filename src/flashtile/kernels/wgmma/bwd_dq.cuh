@@ -57,7 +57,7 @@ attn_bwd_dq(const __grid_constant__ BwdParams p, const __grid_constant__ Maps ma
     // One block per kDqRows queries of one query head, heaviest first (under a causal mask the last rows see the
     // most keys).
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / f.group;
-    const Problem pr = locate_bwd_problem(f, b, h);
+    const Problem pr = locate_bwd_problem(p, b, h);
     const int m0 = (gridDim.x - 1 - blockIdx.x) * kDqRows;
     if (m0 >= pr.seqlen_q) return;
     const Mask mask(f.window_left, f.window_right, pr.seqlen_q, pr.seqlen_k);
