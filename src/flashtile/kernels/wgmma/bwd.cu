@@ -383,9 +383,10 @@ __device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams& p, const 
 __device__ __forceinline__ void complete_tail_maps(TensorMap* own, const Maps& maps, const Problem& pr, int lane) {
     if (lane < kTailMaps) {
         TensorMap* slot = own + kTailKMap + lane;
-        const i64 end = lane < 2 ? pr.k_start + pr.seqlen_k : pr.q_start + pr.seqlen_q;
         tensormap_copy(slot, lane == 0 ? maps.k : lane == 1 ? maps.v : lane == 2 ? maps.q : maps.dout);
-        tensormap_set_extent<1>(slot, (u32)max(end, (i64)1));
+        // (the rows, 32-bit as the maps' coordinates, worked out after the copy: the producer has few registers)
+        const int end = lane < 2 ? (int)pr.k_start + pr.seqlen_k : (int)pr.q_start + pr.seqlen_q;
+        tensormap_set_extent<1>(slot, (u32)max(end, 1));
         tensormap_publish(slot);
     }
     __syncwarp();
