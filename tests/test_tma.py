@@ -139,6 +139,38 @@ def test_each_hopper_backward_block_has_a_slot_for_every_map_it_completes():
     assert backward.block_maps(grid, varlen=True) == 0
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_backward_scratch_holds_every_query_tile_whole(varlen, seed):
+    """The backward's scratch rows (kernels/common/params.cuh scratch_row0, sized by backward.scratch_strides): each
+    problem's rows start on a whole tile and its padded tiles (the Hopper backward copies a tile's LSE and D whole)
+    overlap no other problem's and end inside the rows the plan allocates: dense, and varlen with sequences of any
+    length (empty ones too) and an LSE whose head stride passes its packed rows (a view)."""
+    import types
+
+    from flashtile import backward
+
+    g = torch.Generator().manual_seed(seed)
+    tile, batch, heads = backward.SCRATCH_TILE, 1 + seed * 3, 1 + seed
+    lengths = torch.randint(0, 3 * tile, (batch,), generator=g).tolist()
+    lengths[0] = 0 if varlen else lengths[0]
+    seqlen = max(lengths) if varlen else 1 + seed * 77
+    starts = [sum(lengths[:b]) for b in range(batch)] if varlen else [0] * batch
+    lse = torch.empty(heads, sum(lengths) + seed * 5)[:, :sum(lengths)] if varlen else torch.empty(batch, heads, seqlen)
+    problem = types.SimpleNamespace(varlen=varlen, batch=batch, heads_q=heads, seqlen_q=seqlen)
+    batch_stride, head_stride = backward.scratch_strides(problem, lse)
+    spans = []
+    for h in range(heads):
+        for b in range(batch):
+            row0 = h * head_stride + ((starts[b] + b * batch_stride) & -tile)  # scratch_row0
+            rows = lengths[b] if varlen else seqlen
+            assert row0 % tile == 0
+            spans.append((row0, row0 + -(-rows // tile) * tile))
+    spans.sort()
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= heads * head_stride
+
+
 class _FakeDriver:
     """cuda.bindings.driver's few names tma._encode uses, recording what it is asked to encode."""
 
