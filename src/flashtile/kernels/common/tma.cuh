@@ -105,7 +105,8 @@ __device__ __forceinline__ void tensormap_set_extent(TensorMap* slot, u32 extent
     asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], %1, %2;" :: "l"(slot), "n"(kDim),
                  "r"(extent) : "memory");
 }
-// The stride of dimension kDim (1 or more: the innermost is contiguous), in bytes (a multiple of 16).
+// The stride of dimension kDim (1 or more: the innermost is contiguous), in bytes (a multiple of 16; the PTX of
+// CUDA 12.5 and later, which NVRTC 13 is, takes bytes: before, the value without its 4 low bits).
 template <int kDim>
 __device__ __forceinline__ void tensormap_set_stride(TensorMap* slot, u64 bytes) {
     static_assert(kDim >= 1, "the innermost dimension has no stride");
