@@ -355,15 +355,15 @@ enum BlockMap { kDkMap, kDvMap, kTailKMap, kTailVMap, kTailQMap, kTailDoMap };  
 constexpr int kEpilogueMaps = 2, kTailMaps = 4;
 static_assert(sizeof(BwdMaps) == 4 * sizeof(TensorMap), "BwdMaps holds K's, V's, Q's and dO's maps in a row");
 __device__ __forceinline__ TensorMap* block_maps_of(const BwdParams& p) {
-    const i64 accum_floats = kDqPass ? 0 : (i64)(p.lse_log2 - p.dsum) * kHeadDim;  // the LSE's rows x the head dim
+    const i64 accum_floats = kDqPass ? 0 : (i64)(p.lse_log2 - p.dsum) * kHeadDim;  // scratch rows x the head dim
     const int per_block = kDqBoxes + kEpilogueMaps + (p.fwd.cu_seqlens_q != nullptr ? kTailMaps : 0);
     const u32 block_index = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     return reinterpret_cast<TensorMap*>(p.dq_accum + accum_floats) + (i64)block_index * per_block;
 }
 
 // The writers' map of the accumulator where they add boxes (none otherwise): this block's copy of the template,
-// completed by the first writer's lane 0 with the accumulator's address and rows (those are the LSE's rows, and D
-// lies just before the LSE in the scratch); the other writers' lanes 0 acquire it after a barrier of the writers.
+// completed by the first writer's lane 0 with the accumulator's address and rows (the scratch rows: D's, which lie
+// just before the LSE's in the scratch); the other writers' lanes 0 acquire it after a barrier of the writers.
 __device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams&, const BwdMaps&, int, int) { return nullptr; }
 __device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams& p, const BwdMapsDq& maps, int writer,
                                                       int lane) {
