@@ -232,3 +232,15 @@ def test_a_thread_without_a_context_gets_its_devices_and_encodes_again(monkeypat
     answers[:] = [201, 201]
     with pytest.raises(RuntimeError, match="INVALID|201"):
         tma._encode(k, KvBox(64, 64))
+
+
+def test_a_varlen_backward_runs_its_longest_sequences_first():
+    """plans.longest_first: the order the backward's key-block grids run a varlen batch's entries in (bwd_frame.cuh
+    key_block_of): by query rows, longest first, ties (and empty sequences) in batch order, int32 on the offsets'
+    device."""
+    from flashtile import plans
+
+    cu = torch.tensor([0, 5, 5, 80, 90, 165, 165], dtype=torch.int32)  # lengths 5, 0, 75, 10, 75, 0
+    order = plans.longest_first(cu)
+    assert order.dtype == torch.int32 and order.device == cu.device
+    assert order.tolist() == [2, 4, 3, 0, 1, 5]

@@ -45,6 +45,7 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
 BWD_EXTRA_FIELDS: tuple[tuple[str, str], ...] = (
     ("dout", "Q"), ("dq", "Q"), ("dk", "Q"), ("dv", "Q"),
     ("dq_accum", "Q"), ("dsum", "Q"), ("lse_log2", "Q"), ("dq_semaphore", "Q"), ("dlse", "Q"),
+    ("batch_order", "Q"),
     ("do_batch_stride", "q"), ("do_row_stride", "q"), ("do_head_stride", "q"),
     ("dq_batch_stride", "q"), ("dq_row_stride", "q"), ("dq_head_stride", "q"),
     ("dk_batch_stride", "q"), ("dk_row_stride", "q"), ("dk_head_stride", "q"),

@@ -18,7 +18,7 @@ from .specs import DqBox, KvBox
 # The first ADDRESS_FIELDS of AttnParams are the tensors' addresses; everything after them is fixed by shapes,
 # strides and options. BwdParams appends BWD_ADDRESS_FIELDS more addresses, then its strides.
 ADDRESS_FIELDS = 9
-BWD_ADDRESS_FIELDS = 9
+BWD_ADDRESS_FIELDS = 10
 assert all(fmt == "Q" for _, fmt in launch.PARAM_FIELDS[:ADDRESS_FIELDS])
 assert all(fmt == "Q" for _, fmt in launch.BWD_EXTRA_FIELDS[:BWD_ADDRESS_FIELDS])
 ALIGN_BYTES = 16             # the kernels' vector loads: every operand's base address is a multiple of this
@@ -48,6 +48,12 @@ def empty_outputs(q: torch.Tensor, out_shape: tuple[int, ...] | None, lse_shape:
 def empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The gradient buffers the backward kernels write."""
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def longest_first(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    """A varlen batch's entries by query rows, longest first (ties in batch order), as int32 on the device: the order
+    in which the backward's key-block grids run them (kernels/common/bwd_frame.cuh, key_block_of). No host sync."""
+    return torch.argsort(cu_seqlens_q[1:] - cu_seqlens_q[:-1], descending=True, stable=True).to(torch.int32)
 
 
 def _address(t: torch.Tensor | None) -> int:
@@ -143,6 +149,7 @@ class BwdPlan:
         groups = self.groups
         semaphore = (torch.zeros(groups.count * self.semaphore_ints, dtype=torch.int32, device=q.device)
                      if self.semaphore_ints else None)
+        order = None if cu_seqlens_q is None else longest_first(cu_seqlens_q)
         for g in range(groups.count):
             q_, k_, v_, o_, dout_, dq_, dk_, dv_ = q, k, v, o, dout, dq, dk, dv
             lse_, dlse_, slopes = lse, dlse, alibi_slopes
@@ -160,6 +167,6 @@ class BwdPlan:
             params = ((q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o_.data_ptr(), lse_.data_ptr(), 0,
                        _address(cu_seqlens_q), _address(cu_seqlens_k), _address(slopes)) + self.tail
                       + (dout_.data_ptr(), dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), base + accum_at * 4, base,
-                         base + self.lse_floats * 4, turns, _address(dlse_)) + self.bwd_tail)
+                         base + self.lse_floats * 4, turns, _address(dlse_), _address(order)) + self.bwd_tail)
             launch.run(self.launches, params, launch.BWD_PARAMS_STRUCT, self.maps_for(q_, k_, v_, dout_))
         return dq, dk, dv

@@ -313,12 +313,13 @@ struct Backward {
       if (dlse_part.defined() && (dlse_part.scalar_type() != at::kFloat || dlse_part.strides() != lse_part.strides())) {
         dlse_part = at::empty_like(lse_part).copy_(dlse_part);
       }
-      const std::array<uint64_t, 9> own = {
+      // (The last address, varlen's batch order, stays 0: planned calls are dense.)
+      const std::array<uint64_t, 10> own = {
           head_address(dout, q_head), head_address(dq, q_head), head_address(dk, kv_head), head_address(dv, kv_head),
           base + accum_at * sizeof(float), base, base + lse_floats * sizeof(float),
           semaphore.defined() ? reinterpret_cast<uint64_t>(semaphore.data_ptr()) + g * semaphore_ints * sizeof(int)
                               : 0,
-          dlse_part.defined() ? reinterpret_cast<uint64_t>(dlse_part.data_ptr()) : 0};
+          dlse_part.defined() ? reinterpret_cast<uint64_t>(dlse_part.data_ptr()) : 0, 0};
       std::memcpy(buffer.bytes + bwd_addresses, own.data(), sizeof(own));
       MapsBuffer maps_buffer;
       launches.run(0, steps, buffer.bytes, maps_for(q, k, v, dout, q_head, kv_head, maps_buffer), stream);

@@ -218,13 +218,17 @@ __device__ __forceinline__ void store_tile(const elem_t* tile_smem, elem_t* dst,
 // blocks and most of them idle at the start; launched key block by key block (heads fastest), a wave holds
 // the first few key blocks of every head and the lag stays a few steps. A block still waits only for blocks
 // launched before it. The default mode keeps one head's blocks together: they share its Q and dO in L2.
+// A varlen problem's batch entries run longest sequence first (p.batch_order, the host's order of the sequences by
+// query rows): the longest blocks start first and the last wave holds the short ones. Deterministic turns stay
+// safe: each batch entry's key blocks keep their order.
 // wgmma/bwd.cu and bwd_grid.cu use it; bwd.cu reads blockIdx as it is: held in registers, the two indices tip its
 // d128 tiles (at 255 registers) into spills.
-struct KeyBlock { int n_block, h_kv; };
+struct KeyBlock { int n_block, h_kv, b; };
 __device__ __forceinline__ KeyBlock key_block_of(const BwdParams& p) {
-    if (p.dq_semaphore == nullptr) return {(int)blockIdx.x, (int)blockIdx.y};
+    const int b = p.batch_order != nullptr ? p.batch_order[blockIdx.z] : (int)blockIdx.z;
+    if (p.dq_semaphore == nullptr) return {(int)blockIdx.x, (int)blockIdx.y, b};
     const int linear = blockIdx.y * gridDim.x + blockIdx.x;
-    return {linear / (int)gridDim.y, linear % (int)gridDim.y};
+    return {linear / (int)gridDim.y, linear % (int)gridDim.y, b};
 }
 
 // Deterministic mode: the blocks that add into one dQ tile take turns in key order. The constructor holds the

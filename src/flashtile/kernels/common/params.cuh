@@ -92,6 +92,7 @@ struct BwdParams {
     float* lse_log2;       // lse * log2(e), +inf for rows that see no key (so their P is 0), one per scratch row
     int* dq_semaphore;     // deterministic mode: (batch, heads_q, m_blocks) turn counters; null otherwise
     const float* dlse;     // the returned LSE's gradient, laid out as the LSE; null where the loss does not use it
+    const int* batch_order;  // varlen: the batch entries, longest first, that key-block grids run; null otherwise
 
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 dq_batch_stride, dq_row_stride, dq_head_stride;

@@ -114,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
     const int g = lane / kQuad, t = lane % kQuad;
 
     const KeyBlock block = key_block_of(p);  // deterministic mode: heads fastest (bwd_frame.cuh)
-    const int n_block = block.n_block, h_kv = block.h_kv, b = blockIdx.z;
+    const int n_block = block.n_block, h_kv = block.h_kv, b = block.b;
     const int h_first = h_kv * f.group;
     const Problem pr0 = locate_bwd_problem(p, b, h_first);
     const int n0 = n_block * kBlockN;

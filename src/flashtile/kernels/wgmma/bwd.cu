@@ -443,7 +443,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
     const int warpgroup = uniform_warpgroup();
 
     const KeyBlock block = key_block_of(p);
-    const int n_block = block.n_block, h_kv = block.h_kv, b = blockIdx.z;
+    const int n_block = block.n_block, h_kv = block.h_kv, b = block.b;
     const int h_first = h_kv * f.group;
     const Problem pr0 = locate_bwd_problem(p, b, h_first);
     const int n0 = n_block * kBlockN;
@@ -477,7 +477,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
 
     // The maps see K, V, Q and dO as (head dim, rows, heads, batch), varlen sequences packed along the rows of one
     // batch entry; rows past the tensor read as zeros.
-    const int map_batch = varlen ? 0 : b;
+    const int map_batch = varlen ? 0 : blockIdx.z;  // (b itself: only varlen batches run in another order)
     if (warpgroup == 0) {
         // Producer: K and V once, then each step's Q, dO and its rows' LSE (base 2) and D, all by the copy engine
         // (lane 0 issues every copy), into the ring as soon as a stage is free.
