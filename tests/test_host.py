@@ -113,12 +113,13 @@ def test_describe_names_the_path_without_building(monkeypatch, fresh_host):
 
 
 def test_the_backward_address_block_follows_the_nested_params():
-    """host.cpp writes dO's address (and the seven after it) at BWD_ADDRESS_OFFSET."""
-    values = launch.bwd_param_values(dout=0x1111, dq=0x2222, dq_semaphore=0x8888)
+    """host.cpp writes dO's address (and the nine after it: dLSE's, then varlen's batch order) at
+    BWD_ADDRESS_OFFSET."""
+    values = launch.bwd_param_values(dout=0x1111, dq=0x2222, dq_semaphore=0x8888, dlse=0x9999, batch_order=0xaaaa)
     packed = launch.BWD_PARAMS_STRUCT.pack(*values)
     at = launch.BWD_ADDRESS_OFFSET
     words = [int.from_bytes(packed[at + 8 * i: at + 8 * i + 8], "little") for i in range(plans.BWD_ADDRESS_FIELDS)]
-    assert words[0] == 0x1111 and words[1] == 0x2222 and words[-1] == 0x8888
+    assert words[0] == 0x1111 and words[1] == 0x2222 and words[-3:] == [0x8888, 0x9999, 0xaaaa]
 
 
 # A fresh build on a 2-core machine takes about five minutes (300 s was once too few on the dev box).

@@ -101,8 +101,9 @@ def test_heads_in_groups_keep_the_host_path_and_its_bits(case, poisoned_outputs,
     request.getfixturevalue("heads_in_groups")
     grouped = _train_step(case, leaves, dout, dlse)
     call = _host_call(q, k, v, case[-1])
-    # A plan without an accumulator (the dQ pass: d256 on Hopper) has no scratch to budget: one launch for all heads.
-    groups = case[4] if call.backward_plan.accum_floats > 0 else 1
+    # A plan without an accumulator (the dQ pass, the last launch with shared memory: d256 on Hopper) has no
+    # scratch to budget: one launch for all heads.
+    groups = case[4] if call.backward_plan.launches[-1].smem == 0 else 1
     assert call.host is not None and call.backward_plan.groups.count == groups
     with host.python_path():
         python = _train_step(case, leaves, dout, dlse)

@@ -120,6 +120,57 @@ def test_every_dq_template_is_as_wide_as_its_kernels_accumulator():
         assert spec.dq_map == specs.DqBox(defines["FT_BLOCK_M"], specs.DQ_BOX_COLS, defines["FT_HEAD_DIM"])
 
 
+def test_each_hopper_backward_block_has_a_slot_for_every_map_it_completes():
+    """wgmma/bwd.cu's blocks complete maps of their own in the scratch (block_maps_of): the dQ writer's where it
+    adds boxes, dK's and dV's for the epilogue's stores, and K's, V's, Q's and dO's bounded by a varlen block's
+    sequence. The plan leaves as many 128-byte slots a block; kernels that take no maps need none."""
+    from flashtile import backward, registry
+
+    counts = set()
+    for spec in registry.all_specs("sm_90a"):
+        if spec.source != "wgmma/bwd.cu":
+            continue
+        writer_boxes = spec.dq_map is not None
+        assert backward.block_maps(spec, varlen=False) == writer_boxes + 2
+        assert backward.block_maps(spec, varlen=True) == writer_boxes + 6
+        counts.add(writer_boxes)
+    assert counts == {False, True}  # both kinds of build exist, so both sums were checked
+    grid = specs.bwd_grid_spec("bf16", 192, 128, "sm_90a", specs.bwd_grid_tile(192, "sm_90a", ()))
+    assert backward.block_maps(grid, varlen=True) == 0
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_backward_scratch_holds_every_query_tile_whole(varlen, seed):
+    """The backward's scratch rows (kernels/common/params.cuh scratch_row0, sized by backward.scratch_strides): each
+    problem's rows start on a whole tile and its padded tiles (the Hopper backward copies a tile's LSE and D whole)
+    overlap no other problem's and end inside the rows the plan allocates: dense, and varlen with sequences of any
+    length (empty ones too) and an LSE whose head stride passes its packed rows (a view)."""
+    import types
+
+    from flashtile import backward
+
+    g = torch.Generator().manual_seed(seed)
+    tile, batch, heads = backward.SCRATCH_TILE, 1 + seed * 3, 1 + seed
+    lengths = torch.randint(0, 3 * tile, (batch,), generator=g).tolist()
+    lengths[0] = 0 if varlen else lengths[0]
+    seqlen = max(lengths) if varlen else 1 + seed * 77
+    starts = [sum(lengths[:b]) for b in range(batch)] if varlen else [0] * batch
+    lse = torch.empty(heads, sum(lengths) + seed * 5)[:, :sum(lengths)] if varlen else torch.empty(batch, heads, seqlen)
+    problem = types.SimpleNamespace(varlen=varlen, batch=batch, heads_q=heads, seqlen_q=seqlen)
+    batch_stride, head_stride = backward.scratch_strides(problem, lse)
+    spans = []
+    for h in range(heads):
+        for b in range(batch):
+            row0 = h * head_stride + ((starts[b] + b * batch_stride) & -tile)  # scratch_row0
+            rows = lengths[b] if varlen else seqlen
+            assert row0 % tile == 0
+            spans.append((row0, row0 + -(-rows // tile) * tile))
+    spans.sort()
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= heads * head_stride
+
+
 class _FakeDriver:
     """cuda.bindings.driver's few names tma._encode uses, recording what it is asked to encode."""
 
@@ -181,3 +232,15 @@ def test_a_thread_without_a_context_gets_its_devices_and_encodes_again(monkeypat
     answers[:] = [201, 201]
     with pytest.raises(RuntimeError, match="INVALID|201"):
         tma._encode(k, KvBox(64, 64))
+
+
+def test_a_varlen_backward_runs_its_longest_sequences_first():
+    """plans.longest_first: the order the backward's key-block grids run a varlen batch's entries in (bwd_frame.cuh
+    key_block_of): by query rows, longest first, ties (and empty sequences) in batch order, int32 on the offsets'
+    device."""
+    from flashtile import plans
+
+    cu = torch.tensor([0, 5, 5, 80, 90, 165, 165], dtype=torch.int32)  # lengths 5, 0, 75, 10, 75, 0
+    order = plans.longest_first(cu)
+    assert order.dtype == torch.int32 and order.device == cu.device
+    assert order.tolist() == [2, 4, 3, 0, 1, 5]

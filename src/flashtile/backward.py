@@ -23,6 +23,9 @@ from .forward import FwdProblem
 from .launch import Launch
 
 TENSOR_MAP_FLOATS = specs.TENSOR_MAP_BYTES // 4  # a block's slot for its copy of a map, in the fp32 scratch
+SCRATCH_TILE = 128  # the backward's scratch rows come in whole tiles of this many (params.cuh, kScratchTile)
+EPILOGUE_MAPS = 2  # dK's and dV's
+VARLEN_MAPS = 4    # K's, V's, Q's and dO's, bounded by a varlen block's sequence
 
 WARP = 32
 DTYPES = (torch.float16, torch.bfloat16)
@@ -86,8 +89,9 @@ def plan(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, ls
     m_blocks = math.ceil(problem.seqlen_q / block_m)
     kernels = module.kernels
     row_grid = (math.ceil(problem.seqlen_q / rows_per_block), problem.heads_q, problem.batch)
+    padded_grid = (math.ceil(_round_up(problem.seqlen_q, SCRATCH_TILE) / rows_per_block), *row_grid[1:])
     key_grid = (math.ceil(problem.seqlen_k / block_n), problem.heads_kv, problem.batch)
-    rows = Launch(kernels["attn_bwd_preprocess"], row_grid, row_warps * WARP, 0)
+    rows = Launch(kernels["attn_bwd_preprocess"], padded_grid, row_warps * WARP, 0)
     main = tuple(Launch(kernels[entry], key_grid, warps * WARP, spec.smem_bytes) for entry in spec.entries[1:-1])
     dq_pass = spec.dq_smem_bytes > 0
     if dq_pass:
@@ -95,15 +99,17 @@ def plan(problem: FwdProblem, module: launch.LoadedModule, out: torch.Tensor, ls
         last = Launch(kernels["attn_bwd_dq"], query_grid, warps * WARP, spec.dq_smem_bytes)
     else:
         last = Launch(kernels["attn_bwd_dq_convert"], row_grid, row_warps * WARP, 0)
-    # Where the writer adds dQ boxes, each block completes its copy of the accumulator's map in a slot after it.
-    map_slots = math.prod(key_grid) * TENSOR_MAP_FLOATS if spec.dq_map is not None else 0
-    accum_floats = 0 if dq_pass else lse.numel() * defines["FT_HEAD_DIM"] + map_slots
+    map_slots = math.prod(key_grid) * TENSOR_MAP_FLOATS * block_maps(spec, varlen)
+    scratch_batch, scratch_head = scratch_strides(problem, lse)
+    scratch = problem.heads_q * scratch_head  # rows
+    accum_floats = (0 if dq_pass else scratch * defines["FT_HEAD_DIM"]) + map_slots
     boxes = None if spec.do_map is None else (spec.kv_maps, spec.q_map, spec.do_map) + (
         () if spec.dq_map is None else (spec.dq_map,))
     return plans.BwdPlan(
         (rows, *main, last), problem.params(out, lse)[plans.ADDRESS_FIELDS:],
-        (*_strides(dout, varlen), *_strides(dq, varlen), *_strides(dk, varlen), *_strides(dv, varlen), m_blocks),
-        dout.stride(), lse.numel(), accum_floats,
+        (*_strides(dout, varlen), *_strides(dq, varlen), *_strides(dk, varlen), *_strides(dv, varlen),
+         scratch_batch, scratch_head, m_blocks),
+        dout.stride(), scratch, accum_floats,
         problem.batch * problem.heads_q * m_blocks if deterministic and not dq_pass else 0,
         plans.HeadGroups(groups, q_heads, kv_heads, lse_head_dim), boxes)
 
@@ -131,6 +137,29 @@ FAMILIES: tuple[Family, ...] = (
                                         softcap="softcap" in v.features, alibi="alibi" in v.features), plan,
            tile=lambda v: specs.bwd_tile(max(_padded(v)), v.arch, v.score_mods)),
 )
+
+
+def _round_up(n: int, tile: int) -> int:
+    return -(-n // tile) * tile
+
+
+def scratch_strides(problem: FwdProblem, lse: torch.Tensor) -> tuple[int, int]:
+    """(batch, head) strides of the backward's scratch rows (kernels/common/params.cuh, scratch_row0), in rows:
+    each (batch, head)'s query rows padded to whole tiles of SCRATCH_TILE; a varlen head's sequences packed, with
+    a tile of slack each (its rows: the LSE's head stride, as the kernels read it, plus batch tiles, rounded up)."""
+    if problem.varlen:  # the LSE: (heads, packed rows); a sequence starts a tile further on per sequence before it
+        return SCRATCH_TILE, _round_up(lse.stride(0) + problem.batch * SCRATCH_TILE, SCRATCH_TILE)
+    rows = _round_up(problem.seqlen_q, SCRATCH_TILE)
+    return rows, problem.batch * rows
+
+
+def block_maps(spec, varlen: bool) -> int:
+    """The tensor maps each block of the Hopper backward completes on the device, in slots of the scratch after
+    the dQ accumulator (kernels/wgmma/bwd.cu, block_maps_of): the dQ writer's where it adds boxes, dK's and dV's
+    (their stores), and for a varlen problem K's, V's, Q's and dO's bounded by the block's sequence."""
+    if spec.do_map is None:  # the kernels that take no maps
+        return 0
+    return (spec.dq_map is not None) + EPILOGUE_MAPS + (VARLEN_MAPS if varlen else 0)
 
 
 def kv_heads_per_launch(problem: FwdProblem, module: launch.LoadedModule, query_rows: int) -> int:

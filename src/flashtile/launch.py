@@ -44,11 +44,13 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
 # The backward kernels' `struct BwdParams`: an AttnParams, then these fields.
 BWD_EXTRA_FIELDS: tuple[tuple[str, str], ...] = (
     ("dout", "Q"), ("dq", "Q"), ("dk", "Q"), ("dv", "Q"),
-    ("dq_accum", "Q"), ("dsum", "Q"), ("lse_log2", "Q"), ("dq_semaphore", "Q"),
+    ("dq_accum", "Q"), ("dsum", "Q"), ("lse_log2", "Q"), ("dq_semaphore", "Q"), ("dlse", "Q"),
+    ("batch_order", "Q"),
     ("do_batch_stride", "q"), ("do_row_stride", "q"), ("do_head_stride", "q"),
     ("dq_batch_stride", "q"), ("dq_row_stride", "q"), ("dq_head_stride", "q"),
     ("dk_batch_stride", "q"), ("dk_row_stride", "q"), ("dk_head_stride", "q"),
     ("dv_batch_stride", "q"), ("dv_row_stride", "q"), ("dv_head_stride", "q"),
+    ("scratch_batch_stride", "q"), ("scratch_head_stride", "q"),
     ("m_blocks", "i"),
 )
 BWD_PARAM_FIELDS = PARAM_FIELDS + BWD_EXTRA_FIELDS

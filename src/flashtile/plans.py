@@ -18,7 +18,7 @@ from .specs import DqBox, KvBox
 # The first ADDRESS_FIELDS of AttnParams are the tensors' addresses; everything after them is fixed by shapes,
 # strides and options. BwdParams appends BWD_ADDRESS_FIELDS more addresses, then its strides.
 ADDRESS_FIELDS = 9
-BWD_ADDRESS_FIELDS = 8
+BWD_ADDRESS_FIELDS = 10
 assert all(fmt == "Q" for _, fmt in launch.PARAM_FIELDS[:ADDRESS_FIELDS])
 assert all(fmt == "Q" for _, fmt in launch.BWD_EXTRA_FIELDS[:BWD_ADDRESS_FIELDS])
 ALIGN_BYTES = 16             # the kernels' vector loads: every operand's base address is a multiple of this
@@ -48,6 +48,12 @@ def empty_outputs(q: torch.Tensor, out_shape: tuple[int, ...] | None, lse_shape:
 def empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The gradient buffers the backward kernels write."""
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def longest_first(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    """A varlen batch's entries by query rows, longest first (ties in batch order), as int32 on the device: the order
+    in which the backward's key-block grids run them (kernels/common/bwd_frame.cuh, key_block_of). No host sync."""
+    return torch.argsort(cu_seqlens_q[1:] - cu_seqlens_q[:-1], descending=True, stable=True).to(torch.int32)
 
 
 def _address(t: torch.Tensor | None) -> int:
@@ -109,9 +115,9 @@ class HeadGroups:
 class BwdPlan:
     launches: tuple[launch.Launch, ...]  # preprocess, the main kernel (or its two passes), the dQ conversion
     tail: tuple                          # AttnParams after its addresses (one head group's)
-    bwd_tail: tuple                      # BwdParams after its own addresses: dO, dQ, dK, dV strides, m_blocks
+    bwd_tail: tuple                      # BwdParams after its addresses: dO, dQ, dK, dV, scratch strides, m_blocks
     dout_stride: tuple[int, ...]         # dO must be laid out like the forward's output
-    lse_floats: int                      # D and the base-2 LSE: one float per query row of a head group each
+    lse_floats: int                      # D and the base-2 LSE: one float per scratch row of a head group each
     accum_floats: int                    # the fp32 dQ accumulator of a head group (and its blocks' map slots)
     semaphore_ints: int                  # deterministic mode's turn counters of a head group; 0 when off
     groups: HeadGroups
@@ -130,9 +136,10 @@ class BwdPlan:
             dlse=None):
         """(dq, dk, dv) shaped like q, k, v: fresh, or written into `grads` (laid out as the plan was built).
 
-        `dlse`, the gradient of the returned log-sum-exp (None: the loss does not use it), enters as D - dLSE:
-        d lse_i / d s_ij = P_ij, so dS = P * (dP - D + dLSE). The head groups run one after the other on the
-        stream, so they share one scratch buffer."""
+        `dlse`, the gradient of the returned log-sum-exp (None: the loss does not use it), enters as D - dLSE
+        (the preprocess kernel subtracts it, read laid out as the LSE): d lse_i / d s_ij = P_ij, so
+        dS = P * (dP - D + dLSE). The head groups run one after the other on the stream, so they share one scratch
+        buffer."""
         if dout.stride() != self.dout_stride or dout.data_ptr() % ALIGN_BYTES:
             dout = torch.empty_like(o).copy_(dout)
         dq, dk, dv = empty_grads(q, k, v) if grads is None else grads
@@ -142,6 +149,7 @@ class BwdPlan:
         groups = self.groups
         semaphore = (torch.zeros(groups.count * self.semaphore_ints, dtype=torch.int32, device=q.device)
                      if self.semaphore_ints else None)
+        order = None if cu_seqlens_q is None else longest_first(cu_seqlens_q)
         for g in range(groups.count):
             q_, k_, v_, o_, dout_, dq_, dk_, dv_ = q, k, v, o, dout, dq, dk, dv
             lse_, dlse_, slopes = lse, dlse, alibi_slopes
@@ -154,15 +162,11 @@ class BwdPlan:
                 dlse_ = None if dlse is None else dlse.narrow(groups.lse_head_dim, qh.start, groups.q_heads)
                 slopes = None if alibi_slopes is None else alibi_slopes[..., qh]
             turns = 0 if semaphore is None else semaphore.data_ptr() + g * self.semaphore_ints * 4
+            if dlse_ is not None and (dlse_.dtype != FP32 or dlse_.stride() != lse_.stride()):
+                dlse_ = torch.empty_like(lse_).copy_(dlse_)  # laid out as the LSE, which the kernel reads it as
             params = ((q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o_.data_ptr(), lse_.data_ptr(), 0,
                        _address(cu_seqlens_q), _address(cu_seqlens_k), _address(slopes)) + self.tail
                       + (dout_.data_ptr(), dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), base + accum_at * 4, base,
-                         base + self.lse_floats * 4, turns) + self.bwd_tail)
-            extra = self.maps_for(q_, k_, v_, dout_)
-            if dlse_ is None:
-                launch.run(self.launches, params, launch.BWD_PARAMS_STRUCT, extra)
-            else:
-                launch.run(self.launches[:1], params, launch.BWD_PARAMS_STRUCT, extra)  # the preprocess writes D
-                scratch[:self.lse_floats].view(lse_.shape).sub_(dlse_)
-                launch.run(self.launches[1:], params, launch.BWD_PARAMS_STRUCT, extra)
+                         base + self.lse_floats * 4, turns, _address(dlse_), _address(order)) + self.bwd_tail)
+            launch.run(self.launches, params, launch.BWD_PARAMS_STRUCT, self.maps_for(q_, k_, v_, dout_))
         return dq, dk, dv

@@ -309,21 +309,20 @@ struct Backward {
                                                 head_address(v, kv_head), head_address(o, q_head),
                                                 reinterpret_cast<uint64_t>(lse_part.data_ptr())};
       std::memcpy(buffer.bytes, operands.data(), sizeof(operands));
-      const std::array<uint64_t, 8> own = {
+      // The LSE's gradient, which the preprocess kernel subtracts from D, read laid out as the LSE.
+      if (dlse_part.defined() && (dlse_part.scalar_type() != at::kFloat || dlse_part.strides() != lse_part.strides())) {
+        dlse_part = at::empty_like(lse_part).copy_(dlse_part);
+      }
+      // (The last address, varlen's batch order, stays 0: planned calls are dense.)
+      const std::array<uint64_t, 10> own = {
           head_address(dout, q_head), head_address(dq, q_head), head_address(dk, kv_head), head_address(dv, kv_head),
           base + accum_at * sizeof(float), base, base + lse_floats * sizeof(float),
           semaphore.defined() ? reinterpret_cast<uint64_t>(semaphore.data_ptr()) + g * semaphore_ints * sizeof(int)
-                              : 0};
+                              : 0,
+          dlse_part.defined() ? reinterpret_cast<uint64_t>(dlse_part.data_ptr()) : 0, 0};
       std::memcpy(buffer.bytes + bwd_addresses, own.data(), sizeof(own));
       MapsBuffer maps_buffer;
-      void* group_maps = maps_for(q, k, v, dout, q_head, kv_head, maps_buffer);
-      if (!dlse_part.defined()) {
-        launches.run(0, steps, buffer.bytes, group_maps, stream);
-      } else {  // the preprocess writes D; the LSE's gradient enters as D - dLSE
-        launches.run(0, 1, buffer.bytes, group_maps, stream);
-        scratch.narrow(0, 0, lse_floats).view(lse_part.sizes()).sub_(dlse_part);
-        launches.run(1, steps, buffer.bytes, group_maps, stream);
-      }
+      launches.run(0, steps, buffer.bytes, maps_for(q, k, v, dout, q_head, kv_head, maps_buffer), stream);
     }
     return {dq, dk, dv};
   }

@@ -41,6 +41,14 @@ constexpr u32 kElemBytes = sizeof(elem_t);
 constexpr int kPreprocessRows = FT_PREPROCESS_ROWS;           // rows per block of the two row kernels
 constexpr int kRowWarps = FT_ROW_WARPS;
 
+// A problem as the backward kernels see it: locate_problem's, and its first scratch row (params.cuh). (Worked out
+// here and not in locate_problem, which the forward kernels share: there the unused sum still moved their code.)
+__device__ __forceinline__ Problem locate_bwd_problem(const BwdParams& p, int b, int h) {
+    Problem pr = locate_problem(p.fwd, b, h);
+    pr.scratch_offset = scratch_row0(p, b, h, pr.q_start);
+    return pr;
+}
+
 // dq_accum += (a, b) at two neighbouring floats: one vector reduction on Hopper, two scalar ones before it.
 __device__ __forceinline__ void red_add2(float* address, float a, float b) {
 #if __CUDA_ARCH__ >= 900
@@ -138,7 +146,7 @@ struct QueryRing {
         do_loader.issue(do_smem + stage * kDoStageBytes, m0, pr0.seqlen_q, head * p.do_head_stride);
         if (threadIdx.x < kBlockM) {
             const int row = m0 + threadIdx.x;
-            const i64 at = pr0.lse_offset + head * f.lse_head_stride + row;
+            const i64 at = pr0.scratch_offset + head * p.scratch_head_stride + row;
             const bool valid = row < pr0.seqlen_q;
             cp_async_4(lse_smem + stage * kRowStageBytes + threadIdx.x * 4, valid ? p.lse_log2 + at : p.lse_log2, valid);
             cp_async_4(dsum_smem + stage * kRowStageBytes + threadIdx.x * 4, valid ? p.dsum + at : p.dsum, valid);
@@ -210,13 +218,17 @@ __device__ __forceinline__ void store_tile(const elem_t* tile_smem, elem_t* dst,
 // blocks and most of them idle at the start; launched key block by key block (heads fastest), a wave holds
 // the first few key blocks of every head and the lag stays a few steps. A block still waits only for blocks
 // launched before it. The default mode keeps one head's blocks together: they share its Q and dO in L2.
+// A varlen problem's batch entries run longest sequence first (p.batch_order, the host's order of the sequences by
+// query rows): the longest blocks start first and the last wave holds the short ones. Deterministic turns stay
+// safe: each batch entry's key blocks keep their order.
 // wgmma/bwd.cu and bwd_grid.cu use it; bwd.cu reads blockIdx as it is: held in registers, the two indices tip its
 // d128 tiles (at 255 registers) into spills.
-struct KeyBlock { int n_block, h_kv; };
+struct KeyBlock { int n_block, h_kv, b; };
 __device__ __forceinline__ KeyBlock key_block_of(const BwdParams& p) {
-    if (p.dq_semaphore == nullptr) return {(int)blockIdx.x, (int)blockIdx.y};
+    const int b = p.batch_order != nullptr ? p.batch_order[blockIdx.z] : (int)blockIdx.z;
+    if (p.dq_semaphore == nullptr) return {(int)blockIdx.x, (int)blockIdx.y, b};
     const int linear = blockIdx.y * gridDim.x + blockIdx.x;
-    return {linear / (int)gridDim.y, linear % (int)gridDim.y};
+    return {linear / (int)gridDim.y, linear % (int)gridDim.y, b};
 }
 
 // Deterministic mode: the blocks that add into one dQ tile take turns in key order. The constructor holds the
@@ -252,63 +264,128 @@ struct DqTurn {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// Preprocess, one warp per query row: D = rowsum(dO o O), the LSE in base 2, dq_accum zeroed.
+// The two row kernels. A row's head dim is kRowChunks vectors of kElemsPerVector, a lane each (a power of two of
+// lanes a row, kRowLanes, so that a row's sum stays among its lanes; more chunks than lanes take turns), and a
+// block covers kRowsAtOnce rows a pass, kPreprocessRows in kRowPasses passes whose loads are all issued before
+// any result is used: each thread keeps several 16-byte loads in flight, which is what a kernel that only streams
+// memory needs.
 // ---------------------------------------------------------------------------------------------------
+constexpr int kRowChunks = (kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV) / kElemsPerVector;
+constexpr int kRowLanes = kRowChunks >= kWarpSize ? kWarpSize : kRowChunks > 8 ? 16 : kRowChunks > 4 ? 8 : 4;
+constexpr int kChunksPerLane = (kRowChunks + kRowLanes - 1) / kRowLanes;
+constexpr int kRowsAtOnce = kRowWarps * kWarpSize / kRowLanes;
+constexpr int kRowPasses = (kPreprocessRows + kRowsAtOnce - 1) / kRowsAtOnce;
+static_assert(kRowChunks * kElemsPerVector == (kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV), "whole vectors");
+
+// This thread's row in a pass (kPreprocessRows or more when a pass covers more rows than a block has: those
+// threads idle) and its first chunk.
+__device__ __forceinline__ int row_in_block(int pass) { return pass * kRowsAtOnce + threadIdx.x / kRowLanes; }
+__device__ __forceinline__ int row_chunk(int i) { return threadIdx.x % kRowLanes + i * kRowLanes; }
+// Whether this thread's row in a pass is one of the block's rows and of the sequence (block rows from row0).
+__device__ __forceinline__ bool row_valid(int pass, int row0, int seqlen_q) {
+    return row_in_block(pass) < kPreprocessRows && row0 + row_in_block(pass) < seqlen_q;
+}
+
+// The sum of x over the kRowLanes lanes of a row.
+__device__ __forceinline__ float row_sum(float x) {
+#pragma unroll
+    for (int offset = kRowLanes / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullWarpMask, x, offset);
+    return x;
+}
+
+// Preprocess: D = rowsum(dO o O) - dLSE, the LSE in base 2, dq_accum zeroed; the scratch rows that pad the problem
+// to whole tiles get zeros in D and the LSE.
 extern "C" __global__ void __launch_bounds__(kRowWarps * kWarpSize)
 attn_bwd_preprocess(const __grid_constant__ BwdParams p) {
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int h = blockIdx.y, b = blockIdx.z;
-    const Problem pr = locate_problem(p.fwd, b, h);
+    const Problem pr = locate_bwd_problem(p, b, h);
     const elem_t* out = static_cast<const elem_t*>(p.fwd.o) + pr.o_offset;
     const elem_t* dout = static_cast<const elem_t*>(p.dout) +
                          row_offset(p.do_batch_stride, p.do_row_stride, p.do_head_stride, b, pr.q_start, h);
-    for (int r = warp; r < kPreprocessRows; r += kRowWarps) {
-        const int row = blockIdx.x * kPreprocessRows + r;
-        if (row >= pr.seqlen_q) return;
-        float dot = 0.f;
-        for (int col = lane * kElemsPerVector; col < p.fwd.head_dim_v; col += kWarpSize * kElemsPerVector) {
-            float o8[kElemsPerVector], do8[kElemsPerVector];
-            widen_vector(*reinterpret_cast<const uint4*>(out + row * p.fwd.o_row_stride + col), o8);
-            widen_vector(*reinterpret_cast<const uint4*>(dout + row * p.do_row_stride + col), do8);
+    const int row0 = blockIdx.x * kPreprocessRows;
+    if (row0 >= round_up_to_tile(pr.seqlen_q)) return;
+    auto valid_row = [&](int pass) { return row_valid(pass, row0, pr.seqlen_q); };
+    uint4 o_raw[kRowPasses][kChunksPerLane], do_raw[kRowPasses][kChunksPerLane];
+    float lse[kRowPasses], dlse[kRowPasses];  // by each row's first lane, in flight with the vectors
 #pragma unroll
-            for (int i = 0; i < kElemsPerVector; ++i) dot += o8[i] * do8[i];
+    for (int pass = 0; pass < kRowPasses; ++pass) {
+        const bool writes = valid_row(pass) && row_chunk(0) == 0;
+        const i64 at = pr.lse_offset + row0 + row_in_block(pass);
+        lse[pass] = writes ? p.fwd.lse[at] : 0.f;
+        dlse[pass] = writes && p.dlse != nullptr ? p.dlse[at] : 0.f;
+#pragma unroll
+        for (int i = 0; i < kChunksPerLane; ++i) {
+            const int row = row0 + row_in_block(pass), col = row_chunk(i) * kElemsPerVector;
+            const bool valid = valid_row(pass) && col < p.fwd.head_dim_v;
+            o_raw[pass][i] = valid ? *reinterpret_cast<const uint4*>(out + row * p.fwd.o_row_stride + col) : uint4{};
+            do_raw[pass][i] = valid ? *reinterpret_cast<const uint4*>(dout + row * p.do_row_stride + col) : uint4{};
         }
-        dot = warp_sum(dot);
-        const i64 at = pr.lse_offset + row;
-        if (lane == 0) {
-            const float lse = p.fwd.lse[at];
-            p.dsum[at] = dot;
-            p.lse_log2[at] = lse == kNegInf ? -kNegInf : lse * kLog2e;
+    }
+#pragma unroll
+    for (int pass = 0; pass < kRowPasses; ++pass) {
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < kChunksPerLane; ++i) {
+            float o8[kElemsPerVector], do8[kElemsPerVector];
+            widen_vector(o_raw[pass][i], o8);
+            widen_vector(do_raw[pass][i], do8);
+#pragma unroll
+            for (int e = 0; e < kElemsPerVector; ++e) dot += o8[e] * do8[e];
         }
+        dot = row_sum(dot);
+        // The rows past the sequence up to its last whole tile: zeros (their D and LSE stay finite).
+        if (row_in_block(pass) >= kPreprocessRows || row0 + row_in_block(pass) >= round_up_to_tile(pr.seqlen_q))
+            continue;
+        const i64 at = pr.scratch_offset + row0 + row_in_block(pass);
+        if (row_chunk(0) == 0) {
+            p.dsum[at] = valid_row(pass) ? dot - dlse[pass] : 0.f;
+            p.lse_log2[at] = !valid_row(pass) ? 0.f : lse[pass] == kNegInf ? -kNegInf : lse[pass] * kLog2e;
+        }
+        if (!valid_row(pass)) continue;
         if constexpr (!kDqPass) {
             float4* accum = reinterpret_cast<float4*>(p.dq_accum + at * kHeadDim);
-            for (int i = lane; i < kHeadDim / 4; i += kWarpSize) accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int i = row_chunk(0); i < kHeadDim / 4; i += kRowLanes) accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
 }
 
-// ---------------------------------------------------------------------------------------------------
-// dQ = softmax_scale * dq_accum, in the dtype of q, one warp per row.
-// ---------------------------------------------------------------------------------------------------
+// One 16-byte store (a uint4 assigned through a cast came out as four 4-byte stores).
+__device__ __forceinline__ void store_vector(void* address, const uint4& v) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(address), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// dQ = softmax_scale * dq_accum, in the dtype of q.
 extern "C" __global__ void __launch_bounds__(kRowWarps * kWarpSize)
 attn_bwd_dq_convert(const __grid_constant__ BwdParams p) {
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int h = blockIdx.y, b = blockIdx.z;
-    const Problem pr = locate_problem(p.fwd, b, h);
+    const Problem pr = locate_bwd_problem(p, b, h);
     elem_t* dq = static_cast<elem_t*>(p.dq) + row_offset(p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, b,
                                                          pr.q_start, h);
-    for (int r = warp; r < kPreprocessRows; r += kRowWarps) {
-        const int row = blockIdx.x * kPreprocessRows + r;
-        if (row >= pr.seqlen_q) return;
-        const float* accum = p.dq_accum + (pr.lse_offset + row) * kHeadDim;
-        for (int col = lane * kElemsPerVector; col < p.fwd.head_dim; col += kWarpSize * kElemsPerVector) {
-            uint4 packed;
-            u32* words = reinterpret_cast<u32*>(&packed);
+    const int row0 = blockIdx.x * kPreprocessRows;
+    constexpr int kFloat4s = 2;  // fp32 loads per output vector of eight 16-bit values
+    static_assert(kElemsPerVector == 8, "16-bit gradients");
+    float4 sums[kRowPasses][kChunksPerLane][kFloat4s];
 #pragma unroll
-            for (int i = 0; i < kElemsPerVector / 2; ++i)
-                words[i] = pack2<elem_t>(accum[col + 2 * i] * p.fwd.softmax_scale,
-                                         accum[col + 2 * i + 1] * p.fwd.softmax_scale);
-            *reinterpret_cast<uint4*>(dq + row * p.dq_row_stride + col) = packed;
+    for (int pass = 0; pass < kRowPasses; ++pass)
+#pragma unroll
+        for (int i = 0; i < kChunksPerLane; ++i) {
+            const int row = row0 + row_in_block(pass), col = row_chunk(i) * kElemsPerVector;
+            const bool valid = row_valid(pass, row0, pr.seqlen_q) && col < p.fwd.head_dim;
+            const float4* accum = reinterpret_cast<const float4*>(p.dq_accum + (pr.scratch_offset + row) * kHeadDim + col);
+#pragma unroll
+            for (int j = 0; j < kFloat4s; ++j) sums[pass][i][j] = valid ? accum[j] : float4{};
         }
-    }
+#pragma unroll
+    for (int pass = 0; pass < kRowPasses; ++pass)
+#pragma unroll
+        for (int i = 0; i < kChunksPerLane; ++i) {
+            const int row = row0 + row_in_block(pass), col = row_chunk(i) * kElemsPerVector;
+            if (!row_valid(pass, row0, pr.seqlen_q) || col >= p.fwd.head_dim) continue;
+            const float4 lo = sums[pass][i][0], hi = sums[pass][i][1];
+            const float scale = p.fwd.softmax_scale;
+            store_vector(dq + row * p.dq_row_stride + col,
+                         make_uint4(pack2<elem_t>(lo.x * scale, lo.y * scale), pack2<elem_t>(lo.z * scale, lo.w * scale),
+                                    pack2<elem_t>(hi.x * scale, hi.y * scale), pack2<elem_t>(hi.z * scale, hi.w * scale)));
+        }
 }

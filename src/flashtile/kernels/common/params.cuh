@@ -53,6 +53,7 @@ struct Problem {
     int seqlen_q, seqlen_k;
     i64 q_start, k_start;  // first packed row of this sequence (varlen), 0 otherwise
     i64 q_offset, k_offset, v_offset, o_offset, lse_offset;
+    i64 scratch_offset;  // the backward's (bwd_frame.cuh, locate_bwd_problem): its first scratch row
 };
 
 __device__ __forceinline__ Problem locate_problem(const AttnParams& p, int b, int h) {
@@ -86,17 +87,32 @@ struct BwdParams {
     void* dq;
     void* dk;
     void* dv;
-    float* dq_accum;       // fp32 dQ, (row of the lse layout) x FT_HEAD_DIM; zeroed by the preprocess kernel
-    float* dsum;           // D = rowsum(dO * O), lse layout
-    float* lse_log2;       // lse * log2(e), +inf for rows that see no key (so their P is 0), lse layout
+    float* dq_accum;       // fp32 dQ, (scratch row) x FT_HEAD_DIM; zeroed by the preprocess kernel
+    float* dsum;           // D = rowsum(dO * O) - dLSE, one per scratch row (scratch_row0 above)
+    float* lse_log2;       // lse * log2(e), +inf for rows that see no key (so their P is 0), one per scratch row
     int* dq_semaphore;     // deterministic mode: (batch, heads_q, m_blocks) turn counters; null otherwise
+    const float* dlse;     // the returned LSE's gradient, laid out as the LSE; null where the loss does not use it
+    const int* batch_order;  // varlen: the batch entries, longest first, that key-block grids run; null otherwise
 
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 dq_batch_stride, dq_row_stride, dq_head_stride;
     i64 dk_batch_stride, dk_row_stride, dk_head_stride;
     i64 dv_batch_stride, dv_row_stride, dv_head_stride;
+    i64 scratch_batch_stride, scratch_head_stride;  // the scratch rows' (below)
     int m_blocks;          // query blocks per (batch, head) in the main kernel: the semaphore row length
 };
+
+// The backward's scratch rows (D, the base-2 LSE and the fp32 dQ accumulator's rows): each problem's query rows,
+// padded to whole tiles of kScratchTile rows (zeros in D and the LSE), so that a query tile's rows start 16-byte
+// aligned and rows past the sequence read as zeros (wgmma/bwd.cu copies a tile's D and LSE whole, by the copy
+// engine). The strides are the host's (backward.py, scratch_strides). Batch entry b starts b batch strides of
+// whole tiles in; a varlen head's sequences are packed instead, the b-th from (cu_seqlens_q[b] + b * kScratchTile)
+// rounded down to a tile (its batch stride is one tile), which leaves every earlier sequence's tiles whole.
+constexpr int kScratchTile = 128;  // a power of two: rounding is a mask (rows are never negative)
+__device__ __forceinline__ i64 round_up_to_tile(i64 rows) { return (rows + kScratchTile - 1) & -kScratchTile; }
+__device__ __forceinline__ i64 scratch_row0(const BwdParams& p, int b, int h, i64 q_start) {
+    return h * p.scratch_head_stride + ((q_start + b * p.scratch_batch_stride) & -kScratchTile);
+}
 
 // Element offset of row `start` of head `head` in batch `b` of a (batch, seqlen, heads, dim) tensor.
 __device__ __forceinline__ i64 row_offset(i64 batch_stride, i64 row_stride, i64 head_stride, int b, i64 start, int head) {

@@ -17,7 +17,8 @@
 struct alignas(64) TensorMap { unsigned long long opaque[16]; };
 struct KvMaps { TensorMap k, v; };  // the forward's second parameter: K and V as (dim, rows, heads, batch)
 struct QkvoMaps { TensorMap k, v, q, o; };  // rung 5's: K and V as above, then Q and O as (dim, rows, heads, batch)
-struct BwdMaps { TensorMap k, v, q, dout; };  // the Hopper backward's: K, V, Q and dO, each as above
+struct BwdMaps { TensorMap k, v, q, dout; };  // the Hopper backward's: K, V, Q and dO, each as above (dO's map
+                                                // follows Q's: wgmma/bwd.cu takes both through one pointer)
 // ... and, where its dQ writer adds boxes, an address-free template of the fp32 dQ accumulator's map as (head dim,
 // rows), which the kernel completes in global memory (tensormap_complete below).
 struct BwdMapsDq : BwdMaps { TensorMap dq_template; };
@@ -41,6 +42,13 @@ __device__ __forceinline__ void mbarrier_arrive(u32 bar) {
 __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
     asm volatile("{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  " @!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// `bytes` (a multiple of 16) from global memory at `src` into shared memory at `dst`, both 16-byte aligned, by the
+// copy engine (no map: one contiguous run); bytes count on `bar` as a box's do.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
 // One box of a 5-D map at coordinates (c0 innermost .. c4).
@@ -79,20 +87,44 @@ __device__ __forceinline__ void tensormap_acquire(const TensorMap* slot) {
     asm volatile("fence.proxy.tensormap::generic.acquire.cta [%0], 128;" :: "l"(slot) : "memory");
 }
 
-// A map whose address and outer extent are known only on the device: copy a template encoded on the host (any
-// address) into `slot` (global memory, 64-byte aligned, this block's alone), give it `address` and `rows` (its
-// dimension 1), and make the result visible to this thread's later copies through it (sm_90a), and to another
-// thread's of the block after a barrier and its tensormap_acquire. One thread.
-__device__ __forceinline__ void tensormap_complete(TensorMap* slot, const TensorMap& from, const void* address,
-                                                   u32 rows) {
-#pragma unroll
+// A map whose address, extents or strides are known only on the device: a copy of a map encoded on the host in
+// `slot` (global memory, 64-byte aligned, this block's alone), changed field by field there (sm_90a), then
+// published by tensormap_publish to this thread's later copies through it, and to another thread's of the block
+// after a barrier and its tensormap_acquire. One thread per slot.
+__device__ __forceinline__ void tensormap_copy(TensorMap* slot, const TensorMap& from) {
+#pragma unroll 4  // a few words in flight: the producer warps that copy maps have few registers
     for (int i = 0; i < 16; ++i) slot->opaque[i] = from.opaque[i];
+}
+__device__ __forceinline__ void tensormap_set_address(TensorMap* slot, const void* address) {
     asm volatile("tensormap.replace.tile.global_address.global.b1024.b64 [%0], %1;" :: "l"(slot), "l"(address)
                  : "memory");
-    asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], 1, %1;" :: "l"(slot), "r"(rows)
-                 : "memory");
+}
+// The extent of dimension kDim (0 innermost).
+template <int kDim>
+__device__ __forceinline__ void tensormap_set_extent(TensorMap* slot, u32 extent) {
+    asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], %1, %2;" :: "l"(slot), "n"(kDim),
+                 "r"(extent) : "memory");
+}
+// The stride of dimension kDim (1 or more: the innermost is contiguous), in bytes (a multiple of 16; the PTX of
+// CUDA 12.5 and later, which NVRTC 13 is, takes bytes: before, the value without its 4 low bits).
+template <int kDim>
+__device__ __forceinline__ void tensormap_set_stride(TensorMap* slot, u64 bytes) {
+    static_assert(kDim >= 1, "the innermost dimension has no stride");
+    asm volatile("tensormap.replace.tile.global_stride.global.b1024.b64 [%0], %1, %2;" :: "l"(slot), "n"(kDim - 1),
+                 "l"(bytes) : "memory");
+}
+__device__ __forceinline__ void tensormap_publish(const TensorMap* slot) {
     asm volatile("fence.proxy.tensormap::generic.release.cta;" ::: "memory");
     tensormap_acquire(slot);
+}
+
+// The common case: the template's address and its dimension 1 (rows) replaced.
+__device__ __forceinline__ void tensormap_complete(TensorMap* slot, const TensorMap& from, const void* address,
+                                                   u32 rows) {
+    tensormap_copy(slot, from);
+    tensormap_set_address(slot, address);
+    tensormap_set_extent<1>(slot, rows);
+    tensormap_publish(slot);
 }
 
 // Closes this thread's group of bulk operations (stores and reductions from shared memory) issued since the last.

@@ -126,7 +126,7 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
 
     const int n_block = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z;
     const int h_first = h_kv * f.group;
-    const Problem pr0 = locate_problem(f, b, h_first);
+    const Problem pr0 = locate_bwd_problem(p, b, h_first);
     const int n0 = n_block * kBlockN;
     if (n0 >= pr0.seqlen_k) return;
     const int n1 = min(n0 + kBlockN, pr0.seqlen_k);
@@ -269,7 +269,9 @@ __device__ __forceinline__ void attn_bwd_block(const BwdParams& p) {
                     pack2<elem_t>(ds[j][2 * half], ds[j][2 * half + 1]);
         const DqTurn turn(p, mask, b, head, m_tile, m0, n_block);  // deterministic mode: wait for this dQ tile
         __syncthreads();
-        float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
+        // (32-bit within the launch's scratch rows: the 64-bit product held more registers and spilled on sm_100)
+        const int tile_row = (head - h_first) * (int)p.scratch_head_stride + m0;
+        float* accum = p.dq_accum + (pr0.scratch_offset + tile_row) * kHeadDim;
         for (int piece = warp; piece < kDqPieces; piece += kWarps) {
             const int row0 = (piece % (kBlockM / kDqRows)) * kDqRows, col0 = (piece / (kBlockM / kDqRows)) * kDqCols;
             float acc[kDqSlabs][kDqCols / kMmaN][4] = {};

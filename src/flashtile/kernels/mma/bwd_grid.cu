@@ -114,9 +114,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
     const int g = lane / kQuad, t = lane % kQuad;
 
     const KeyBlock block = key_block_of(p);  // deterministic mode: heads fastest (bwd_frame.cuh)
-    const int n_block = block.n_block, h_kv = block.h_kv, b = blockIdx.z;
+    const int n_block = block.n_block, h_kv = block.h_kv, b = block.b;
     const int h_first = h_kv * f.group;
-    const Problem pr0 = locate_problem(f, b, h_first);
+    const Problem pr0 = locate_bwd_problem(p, b, h_first);
     const int n0 = n_block * kBlockN;
     if (n0 >= pr0.seqlen_k) return;
     const int n1 = min(n0 + kBlockN, pr0.seqlen_k);
@@ -278,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) attn_bwd(const __grid_
         }
 
         // Phase 3. dQ = dS K for this warp's queries x columns, added into dq_accum.
-        float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
+        float* accum = p.dq_accum + (pr0.scratch_offset + (head - h_first) * p.scratch_head_stride + m0) * kHeadDim;
 #pragma unroll
         for (int pass = 0; pass < kDqPasses; ++pass) {
             const int col0 = col0_3 + pass * kQTilesPerPass * kMmaN;

@@ -24,12 +24,16 @@
 //               (bwd_dq.cuh, included at the end of this file).
 //           Every operand starts on a 128-byte column block.
 //           Loads: a producer warp (warpgroup 0, its registers given to the consumers by setmaxnreg) brings K and
-//           V once and each step's Q and dO by the tensor memory accelerator, and the rows' LSE and D through
-//           its registers, into a ring of kStages stages with a "full" and an "empty" mbarrier each. The consumers
-//           wait only for the stage they need and meet once a step, at a named barrier of their own before dQ
-//           (dS^T is shared); dS^T (and P^T) alternate between two buffers, so that barrier is the only one.
-//           A varlen sequence's last query tile or key block is copied by the warp's cp.async instead, which
-//           zero-fills the rows past the sequence (the copy engine would bring the next sequence's).
+//           V once and each step's Q and dO by the tensor memory accelerator, and the rows' LSE and D by bulk
+//           copies from the scratch, into a ring of kStages stages with a "full" and an "empty" mbarrier each. The
+//           consumers wait only for the stage they need and meet once a step, at a named barrier of their own
+//           before dQ (dS^T is shared); dS^T (and P^T) alternate between two buffers, so that barrier is the only
+//           one.
+//           A varlen block copies through maps of its own whose rows end where its sequence ends (the whole
+//           tensor's would bring the next sequence's rows into its last query tile and key block).
+//           Epilogue: the consumers stage dK and dV where K and V were, and the producer warp stores both tiles by
+//           the copy engine, through maps the block completes from K's and V's (bounded rows: a varlen block's
+//           stores leave the next sequence alone).
 // Beside:   mma/bwd.cu serves every other head dim, score modifications and GPUs before Hopper; this kernel
 //           shares its frame through common/bwd_frame.cuh (deterministic turns, epilogue, the preprocess and
 //           dQ-conversion kernels).
@@ -154,7 +158,9 @@ constexpr int kScoreBuffers = 2;
 constexpr int kDsFullBarrier = kDqEmptyBarrier + kDqBuffers;      // + buffer: the other warpgroup's rows are stored
 constexpr int kDsEmptyBarrier = kDsFullBarrier + kScoreBuffers;   // + buffer: dQ's product has read the buffer
 constexpr int kDqMapBarrier = kDsEmptyBarrier + kScoreBuffers;  // the first writer has completed the dQ map
-static_assert(kDqMapBarrier < 16, "a block has 16 named barriers");
+constexpr int kEpilogueBarrier = kDqMapBarrier + 1;  // dK and dV are staged (consumers arrive, the producer waits)
+static_assert(kEpilogueBarrier < 16, "a block has 16 named barriers");
+constexpr int kEpilogueThreads = kConsumerThreads + kWarpSize;
 template <bool kShared> struct ProbabilityTile { elem_t p[kScoreBuffers][DsTile::kElems]; };
 template <> struct ProbabilityTile<false> { static constexpr elem_t (*p)[DsTile::kElems] = nullptr; };
 
@@ -173,11 +179,13 @@ struct __align__(kSwizzleAtomBytes) SharedStorage : ProbabilityTile<!kSplitKeys>
     elem_t q[kStages][QTile::kElems];
     elem_t dout[kStages][DoTile::kElems];
     elem_t ds[kScoreBuffers][DsTile::kElems];
-    float lse_log2[kStages][kBlockM];
-    float dsum[kStages][kBlockM];
+    alignas(16) float lse_log2[kStages][kBlockM];  // bulk copies' destinations
+    alignas(16) float dsum[kStages][kBlockM];
     u64 kv_full;                 // K and V have landed
-    u64 full[kStages];           // a step's Q, dO (the copy engine) and LSE, D (the producer warp's lanes)
+    u64 full[kStages];           // a step's Q, dO, LSE and D have landed (the copy engine)
     u64 empty[kStages];          // every consumer warp is done with the stage
+    TensorMap* own_maps;         // the producer warp's: its block's maps (block_maps_of); held in its registers across
+                                 // the loop, the place spilled
 };
 
 // acc (64 keys x kBlockM queries) = A B^T over the head dim: A = 64 rows of K or V, B = rows of the query
@@ -312,7 +320,7 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
         }
         named_barrier_sync(kDqFullBarrier + buffer, kDqHandoffThreads);
         if constexpr (kDqBoxes) {  // by lane 0, which completed the map (and alone acquired it)
-            const i64 row0 = pr0.lse_offset + (head - h_first) * p.fwd.lse_head_stride + m0;  // an accumulator row
+            const i64 row0 = pr0.scratch_offset + (head - h_first) * p.scratch_head_stride + m0;  // a scratch row
             if (lane == 0) {
 #pragma unroll 1
                 for (int box = 0; box < kHeadDim / kDqBoxCols; ++box)
@@ -320,7 +328,8 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
                                       (int)row0);
             }
         } else {
-            float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * p.fwd.lse_head_stride + m0) * kHeadDim;
+            const i64 row0 = pr0.scratch_offset + (head - h_first) * p.scratch_head_stride + m0;
+            float* accum = p.dq_accum + row0 * kHeadDim;
             const int rows = min(kBlockM, pr0.seqlen_q - m0);
 #pragma unroll 1
             for (int r = lane; r < rows; r += kWarpSize)
@@ -338,22 +347,75 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
     }
 }
 
+// The block's own tensor maps, completed on the device in the 128-byte slots the plan leaves in the scratch after
+// the dQ accumulator (backward.py, block_maps): the dQ writer's (with kDqBoxes), then dK's and dV's (K's and V's
+// maps given dK's and dV's address and strides), then, for a varlen problem, K's, V's, Q's and dO's with their rows
+// ending where the block's sequence ends, so that the copy engine reads zeros past it and writes nothing there.
+enum BlockMap { kDkMap, kDvMap, kTailKMap, kTailVMap, kTailQMap, kTailDoMap };  // dO's map follows Q's, as in BwdMaps
+constexpr int kEpilogueMaps = 2, kTailMaps = 4;
+static_assert(sizeof(BwdMaps) == 4 * sizeof(TensorMap), "BwdMaps holds K's, V's, Q's and dO's maps in a row");
+__device__ __forceinline__ TensorMap* block_maps_of(const BwdParams& p) {
+    const i64 accum_floats = kDqPass ? 0 : (i64)(p.lse_log2 - p.dsum) * kHeadDim;  // scratch rows x the head dim
+    const int per_block = kDqBoxes + kEpilogueMaps + (p.fwd.cu_seqlens_q != nullptr ? kTailMaps : 0);
+    const u32 block_index = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    return reinterpret_cast<TensorMap*>(p.dq_accum + accum_floats) + (i64)block_index * per_block;
+}
+
 // The writers' map of the accumulator where they add boxes (none otherwise): this block's copy of the template,
-// in the scratch the plan leaves after the accumulator (a 128-byte slot per block), completed by the first writer's
-// lane 0 with the accumulator's address and rows (those are the LSE's rows, and D lies just before the LSE in the
-// scratch); the other writers' lanes 0 acquire it after a barrier of the writers.
+// completed by the first writer's lane 0 with the accumulator's address and rows (the scratch rows: D's, which lie
+// just before the LSE's in the scratch); the other writers' lanes 0 acquire it after a barrier of the writers.
 __device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams&, const BwdMaps&, int, int) { return nullptr; }
 __device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams& p, const BwdMapsDq& maps, int writer,
                                                       int lane) {
     const u32 accum_rows = (u32)(p.lse_log2 - p.dsum);
-    const u32 block_index = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    TensorMap* slot = reinterpret_cast<TensorMap*>(p.dq_accum + (i64)accum_rows * kHeadDim) + block_index;
+    TensorMap* slot = block_maps_of(p);
     if (writer == 0 && lane == 0) tensormap_complete(slot, maps.dq_template, p.dq_accum, accum_rows);
     if constexpr (kDqWriters > 1) {
         named_barrier_sync(kDqMapBarrier, kDqWriters * kWarpSize);
         if (writer != 0 && lane == 0) tensormap_acquire(slot);
     }
     return slot;
+}
+
+// A varlen block's tail maps, one a lane (0-3: K, V, Q, dO, their rows ending where the sequence ends), published to
+// lane 0, which issues every copy. (An extent is never 0, which a map may not hold: a block of an empty query
+// sequence copies no query tile.)
+__device__ __forceinline__ void complete_tail_maps(TensorMap* own, const Maps& maps, const Problem& pr, int lane) {
+    if (lane < kTailMaps) {
+        TensorMap* slot = own + kTailKMap + lane;
+        tensormap_copy(slot, lane == 0 ? maps.k : lane == 1 ? maps.v : lane == 2 ? maps.q : maps.dout);
+        // (the rows, 32-bit as the maps' coordinates, worked out after the copy: the producer has few registers)
+        const int end = lane < 2 ? (int)pr.k_start + pr.seqlen_k : (int)pr.q_start + pr.seqlen_q;
+        tensormap_set_extent<1>(slot, (u32)max(end, 1));
+        tensormap_publish(slot);
+    }
+    __syncwarp();
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < kTailMaps; ++i) tensormap_acquire(own + kTailKMap + i);
+    }
+}
+
+// dK's and dV's maps, one a lane (0, 1): K's and V's given the gradients' address and strides (a zero stride is a
+// dimension of one index, which keeps the template's), and for a varlen block the rows of its sequence; published
+// to lane 0, which stores both tiles.
+__device__ __forceinline__ void complete_epilogue_maps(TensorMap* own, const BwdParams& p, const Maps& maps,
+                                                       const Problem& pr, bool varlen, int lane) {
+    if (lane < kEpilogueMaps) {
+        TensorMap* slot = own + kDkMap + lane;
+        const bool dk = lane == kDkMap;
+        const i64 strides[3] = {dk ? p.dk_row_stride : p.dv_row_stride, dk ? p.dk_head_stride : p.dv_head_stride,
+                                varlen ? 0 : dk ? p.dk_batch_stride : p.dv_batch_stride};
+        tensormap_copy(slot, dk ? maps.k : maps.v);
+        tensormap_set_address(slot, dk ? p.dk : p.dv);
+        if (strides[0] != 0) tensormap_set_stride<1>(slot, (u64)strides[0] * kElemBytes);
+        if (strides[1] != 0) tensormap_set_stride<2>(slot, (u64)strides[1] * kElemBytes);
+        if (strides[2] != 0) tensormap_set_stride<3>(slot, (u64)strides[2] * kElemBytes);
+        if (varlen) tensormap_set_extent<1>(slot, (u32)(pr.k_start + pr.seqlen_k));
+        tensormap_publish(slot);
+    }
+    __syncwarp();
+    if (lane == 0) tensormap_acquire(own + kDvMap);
 }
 
 // The turn keeper: for each step, lane 0 waits for the dQ tile's turn and the warp hands it to the consumers; once
@@ -381,9 +443,9 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
     const int warpgroup = uniform_warpgroup();
 
     const KeyBlock block = key_block_of(p);
-    const int n_block = block.n_block, h_kv = block.h_kv, b = blockIdx.z;
+    const int n_block = block.n_block, h_kv = block.h_kv, b = block.b;
     const int h_first = h_kv * f.group;
-    const Problem pr0 = locate_problem(f, b, h_first);
+    const Problem pr0 = locate_bwd_problem(p, b, h_first);
     const int n0 = n_block * kBlockN;
     if (n0 >= pr0.seqlen_k) return;
     const int n1 = min(n0 + kBlockN, pr0.seqlen_k);
@@ -406,7 +468,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
     if (threadIdx.x == kProducerThread) {
         mbarrier_init(kv_full, 1);
         for (int s = 0; s < kStages; ++s) {
-            mbarrier_init(full + s * kMbarrierBytes, 1 + kWarpSize);  // the copy engine's bytes, the warp's lanes
+            mbarrier_init(full + s * kMbarrierBytes, 1);  // the copy engine's bytes
             mbarrier_init(empty + s * kMbarrierBytes, kConsumerWarps);
         }
         mbarrier_init_fence();
@@ -415,10 +477,10 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
 
     // The maps see K, V, Q and dO as (head dim, rows, heads, batch), varlen sequences packed along the rows of one
     // batch entry; rows past the tensor read as zeros.
-    const int map_batch = varlen ? 0 : b;
+    const int map_batch = varlen ? 0 : blockIdx.z;  // (b itself: only varlen batches run in another order)
     if (warpgroup == 0) {
-        // Producer: K and V once, then each step's Q and dO by the copy engine and its rows' LSE (base 2) and D by
-        // the warp's lanes (rows past the sequence read as zeros), into the ring as soon as a stage is free.
+        // Producer: K and V once, then each step's Q, dO and its rows' LSE (base 2) and D, all by the copy engine
+        // (lane 0 issues every copy), into the ring as soon as a stage is free.
         setmaxnreg_dec<kProducerRegisters>();
         if (kDqWriter && warp >= kWriterWarp && warp < kWriterWarp + kDqWriters) {
             const int writer = warp - kWriterWarp;
@@ -431,78 +493,71 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
             return;
         }
         if (warp != 0) return;
-        if (varlen && n0 + kBlockN > pr0.seqlen_k) {  // the sequence's last key block: as a last query tile below
-            copy_rows<KTile>(k_smem, static_cast<const elem_t*>(f.k) + pr0.k_offset, f.k_row_stride, f.head_dim,
-                             pr0.seqlen_k - n0, n0, lane);
-            copy_rows<VTile>(v_smem, static_cast<const elem_t*>(f.v) + pr0.v_offset, f.v_row_stride, f.head_dim_v,
-                             pr0.seqlen_k - n0, n0, lane);
-            cp_async_wait_all();
-            fence_proxy_async();
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(kv_full);
-        } else if (lane == 0) {
+        TensorMap* own_maps = block_maps_of(p) + kDqBoxes;
+        if (lane == 0) smem.own_maps = own_maps;
+        // A varlen sequence's copies go through the block's tail maps: through the whole tensor's, its last query
+        // tile and key block would bring the next sequence's rows.
+        if (varlen) complete_tail_maps(own_maps, maps, pr0, lane);
+        if (lane == 0) {
             mbarrier_arrive_expect_bytes(kv_full, (KTile::kElems + VTile::kElems) * kElemBytes);
+            const TensorMap& k_map = varlen ? own_maps[kTailKMap] : maps.k;
+            const TensorMap& v_map = varlen ? own_maps[kTailVMap] : maps.v;
 #pragma unroll
             for (int blk = 0; blk < kHeadDim / kSwizzleRowElems; ++blk) {
-                tma_load_4d(k_smem + blk * kColumnBlockBytes<KTile>, maps.k, blk * kSwizzleRowElems,
+                tma_load_4d(k_smem + blk * kColumnBlockBytes<KTile>, k_map, blk * kSwizzleRowElems,
                             (int)pr0.k_start + n0, h_kv, map_batch, kv_full);
-                tma_load_4d(v_smem + blk * kColumnBlockBytes<VTile>, maps.v, blk * kSwizzleRowElems,
+                tma_load_4d(v_smem + blk * kColumnBlockBytes<VTile>, v_map, blk * kSwizzleRowElems,
                             (int)pr0.k_start + n0, h_kv, map_batch, kv_full);
             }
         }
         const int q_row0 = opaque((int)pr0.q_start);  // held as 32 bits (the maps take 32-bit coordinates)
+        // The group's first scratch row and the rows between heads, held as 32 bits too (a scratch of 2^31 rows
+        // would stand for q and dO tensors of 2^37 elements at least).
+        const int scratch_row1 = opaque((int)pr0.scratch_offset);
+        const int scratch_heads = opaque((int)p.scratch_head_stride);
         for (int step = 0; step < steps; ++step) {
             const int stage = step % kStages, round = step / kStages;
             const int head = h_first + step / m_tiles, m0 = m_tile_of(step) * kBlockM;
             const u32 bar = full + stage * kMbarrierBytes;
             if (round > 0) mbarrier_wait(empty + stage * kMbarrierBytes, (round - 1) & 1);
-            // A varlen sequence's last query tile: the copy engine would bring the next sequence's rows, so the
-            // warp copies it with cp.async, zero-filling them, and publishes it to the products itself.
-            const bool by_warp = varlen && m0 + kBlockM > pr0.seqlen_q;
-            if (by_warp) {
-                // The offsets worked out again here, from a batch index the compiler cannot see through: hoisted
-                // out of the loop, they would not fit the producer's registers.
-                const int b_here = opaque(b);
-                const Problem pr = locate_problem(f, b_here, head);
-                const i64 do_row0 = row_offset(p.do_batch_stride, p.do_row_stride, p.do_head_stride, b_here,
-                                               pr.q_start, head);
-                copy_rows<QTile>(q_smem + stage * kQStageBytes, static_cast<const elem_t*>(f.q) + pr.q_offset,
-                                 f.q_row_stride, f.head_dim, pr.seqlen_q - m0, m0, lane);
-                copy_rows<DoTile>(do_smem + stage * kDoStageBytes, static_cast<const elem_t*>(p.dout) + do_row0,
-                                  p.do_row_stride, f.head_dim_v, pr.seqlen_q - m0, m0, lane);
-            } else if (lane == 0) {
-                mbarrier_arrive_expect_bytes(bar, kQStageBytes + kDoStageBytes);
+            if (lane == 0) {
+                mbarrier_arrive_expect_bytes(bar, kQStageBytes + kDoStageBytes + 2 * kRowStageBytes);
+                const TensorMap* const q_and_do = varlen ? smem.own_maps + kTailQMap : &maps.q;  // dO's follows
+                const TensorMap& q_map = q_and_do[0];
+                const TensorMap& do_map = q_and_do[1];
 #pragma unroll
                 for (int blk = 0; blk < kHeadDim / kSwizzleRowElems; ++blk) {
-                    tma_load_4d(q_smem + stage * kQStageBytes + blk * kColumnBlockBytes<QTile>, maps.q,
+                    tma_load_4d(q_smem + stage * kQStageBytes + blk * kColumnBlockBytes<QTile>, q_map,
                                 blk * kSwizzleRowElems, q_row0 + m0, head, map_batch, bar);
-                    tma_load_4d(do_smem + stage * kDoStageBytes + blk * kColumnBlockBytes<DoTile>, maps.dout,
+                    tma_load_4d(do_smem + stage * kDoStageBytes + blk * kColumnBlockBytes<DoTile>, do_map,
                                 blk * kSwizzleRowElems, q_row0 + m0, head, map_batch, bar);
                 }
+                // The rows' base-2 LSE and D: one aligned run of the scratch each, zeros past the sequence.
+                const int row0 = scratch_row1 + (head - h_first) * scratch_heads + m0;
+                bulk_load(lse_smem + stage * kRowStageBytes, p.lse_log2 + row0, kRowStageBytes, bar);
+                bulk_load(dsum_smem + stage * kRowStageBytes, p.dsum + row0, kRowStageBytes, bar);
             }
-            // The rows' LSE and D through registers: each lane's arrival (a release) publishes its stores.
-            // (The rows' offset worked out again each step, as the varlen tail's above.)
-            const i64 lse_row0 = locate_problem(f, opaque(b), head).lse_offset;
-            float lse_rows[kBlockM / kWarpSize], dsum_rows[kBlockM / kWarpSize];
+        }
+
+        // The epilogue: dK's and dV's maps while the consumers finish; once they have staged dK and dV where K and
+        // V were, lane 0 stores both tiles by the copy engine (column blocks wholly past the head dim are not
+        // stored, rows past the sequence are not written) and waits until the copies have read the tiles.
+        __syncwarp();
+        own_maps = smem.own_maps;
+        complete_epilogue_maps(own_maps, p, maps, pr0, varlen, lane);
+        named_barrier_sync(kEpilogueBarrier, kEpilogueThreads);
+        if (lane == 0) {
 #pragma unroll
-            for (int i = 0; i < kBlockM / kWarpSize; ++i) {
-                const int row = m0 + lane + i * kWarpSize;
-                const i64 at = lse_row0 + row;
-                const bool valid = row < pr0.seqlen_q;
-                lse_rows[i] = valid ? p.lse_log2[at] : 0.f;
-                dsum_rows[i] = valid ? p.dsum[at] : 0.f;
+            for (int blk = 0; blk < kHeadDim / kSwizzleRowElems; ++blk) {
+                if (blk * kSwizzleRowElems < f.head_dim)
+                    tma_store_4d(own_maps[kDkMap], k_smem + blk * kColumnBlockBytes<KTile>, blk * kSwizzleRowElems,
+                                 (int)pr0.k_start + n0, h_kv, map_batch);
+                if (blk * kSwizzleRowElems < f.head_dim_v)
+                    tma_store_4d(own_maps[kDvMap], v_smem + blk * kColumnBlockBytes<VTile>, blk * kSwizzleRowElems,
+                                 (int)pr0.k_start + n0, h_kv, map_batch);
             }
-#pragma unroll
-            for (int i = 0; i < kBlockM / kWarpSize; ++i) {
-                smem.lse_log2[stage][lane + i * kWarpSize] = lse_rows[i];
-                smem.dsum[stage][lane + i * kWarpSize] = dsum_rows[i];
-            }
-            if (by_warp) {
-                cp_async_wait_all();
-                fence_proxy_async();
-                if (lane == 0) mbarrier_arrive(bar);  // in place of the copy engine's arrival
-            }
-            mbarrier_arrive(bar);
+            bulk_commit();
+            bulk_wait_all<true>();
         }
         return;
     }
@@ -748,7 +803,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         if constexpr (kDqWriter) {
             stage_dq(dq, step);
         } else {
-            float* accum = p.dq_accum + (pr0.lse_offset + (head - h_first) * f.lse_head_stride + m0) * kHeadDim;
+            const i64 row0 = pr0.scratch_offset + (head - h_first) * p.scratch_head_stride + m0;
+            float* accum = p.dq_accum + row0 * kHeadDim;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = dq_row0 + row_in_group + 8 * half;
@@ -791,21 +847,14 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         if (!kScoresAhead && !kDqTurns) release(stage);
     }
 
-    // Every consumer is past its last product (which read K): K and V's tiles are free to stage dK and dV.
+    // Every consumer is past its last product (which read K): K and V's tiles are free to stage dK and dV, which
+    // the producer warp stores (above) once every consumer has staged its part.
     consumers_sync();
-    const int thread = threadIdx.x - kWarpgroupThreads;  // among the consumers
     const int slab_row0 = key0 + (warp % kWarpgroupWarps) * kMmaM;
     stage_tile<KTile>(smem.k, as_slab(dk), f.softmax_scale, slab_row0, grad_col0);
     stage_tile<VTile>(smem.v, as_slab(dv), 1.f, slab_row0, grad_col0);
-    consumers_sync();
-    store_tile<KTile, kHeadDim, kConsumerThreads>(
-        smem.k, static_cast<elem_t*>(p.dk) + row_offset(p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b,
-                                                        pr0.k_start, h_kv),
-        p.dk_row_stride, f.head_dim, n0, pr0.seqlen_k, thread);
-    store_tile<VTile, kHeadDimV, kConsumerThreads>(
-        smem.v, static_cast<elem_t*>(p.dv) + row_offset(p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b,
-                                                        pr0.k_start, h_kv),
-        p.dv_row_stride, f.head_dim_v, n0, pr0.seqlen_k, thread);
+    fence_proxy_async();  // this thread's staged elements, before the copy engine reads them
+    named_barrier_arrive(kEpilogueBarrier, kEpilogueThreads);
 }
 
 #if FT_DQ_PASS

@@ -57,7 +57,7 @@ attn_bwd_dq(const __grid_constant__ BwdParams p, const __grid_constant__ Maps ma
     // One block per kDqRows queries of one query head, heaviest first (under a causal mask the last rows see the
     // most keys).
     const int h = blockIdx.y, b = blockIdx.z, h_kv = h / f.group;
-    const Problem pr = locate_problem(f, b, h);
+    const Problem pr = locate_bwd_problem(p, b, h);
     const int m0 = (gridDim.x - 1 - blockIdx.x) * kDqRows;
     if (m0 >= pr.seqlen_q) return;
     const Mask mask(f.window_left, f.window_right, pr.seqlen_q, pr.seqlen_k);
@@ -148,8 +148,8 @@ attn_bwd_dq(const __grid_constant__ BwdParams p, const __grid_constant__ Maps ma
     for (int half = 0; half < 2; ++half) {
         const int row = row0 + warp_in_group * kMmaM + g + 8 * half;
         const bool valid = row < pr.seqlen_q;
-        lse_log2[half] = valid ? p.lse_log2[pr.lse_offset + row] : -kNegInf;
-        dsum[half] = valid ? p.dsum[pr.lse_offset + row] : 0.f;
+        lse_log2[half] = valid ? p.lse_log2[pr.scratch_offset + row] : -kNegInf;
+        dsum[half] = valid ? p.dsum[pr.scratch_offset + row] : 0.f;
     }
 
     // The warpgroup's own key blocks [lo, hi) of the block's: under a causal mask its first rows see fewer keys.
