@@ -171,6 +171,17 @@ def test_the_backward_scratch_holds_every_query_tile_whole(varlen, seed):
     assert spans[-1][1] <= heads * head_stride
 
 
+def test_the_host_pads_scratch_rows_to_the_kernels_tile():
+    """backward.SCRATCH_TILE mirrors params.cuh's kScratchTile, which scratch_row0 rounds to: apart, the host would
+    size the scratch for one tiling and the kernels copy whole tiles of another."""
+    import re
+
+    from flashtile import backward, jit
+
+    source = (jit.KERNEL_ROOT / "common" / "params.cuh").read_text()
+    assert int(re.search(r"constexpr int kScratchTile = (\d+);", source).group(1)) == backward.SCRATCH_TILE
+
+
 class _FakeDriver:
     """cuda.bindings.driver's few names tma._encode uses, recording what it is asked to encode."""
 
