@@ -378,31 +378,30 @@ __device__ __forceinline__ const TensorMap* dq_map_of(const BwdParams& p, const 
     return slot;
 }
 
-// The maps the producer's loads go through, one a lane, published to lane 0, which issues every copy: the rows map
-// (lane 0: D's and the LSE's scratch rows, each one row of the map, which the copies see as `scratch_rows` values
-// wide) and, for a varlen block, its tail maps (lanes 1-4: K, V, Q, dO, their rows ending where the sequence ends;
-// an extent is never 0, which a map may not hold: a block of an empty query sequence copies no query tile).
-__device__ __forceinline__ void complete_load_maps(TensorMap* own, const BwdParams& p, const Maps& maps,
-                                                   const Problem& pr, bool varlen, int lane) {
-    const int slots = kRowsMaps + (varlen ? kTailMaps : 0);
-    if (lane == 0) {
-        const u32 scratch_rows = (u32)(p.lse_log2 - p.dsum);  // D's rows lie just before the LSE's
-        tensormap_complete_f32_rows(own + kRowsMap, maps.q, p.dsum, scratch_rows, 2,
-                                    (u64)scratch_rows * sizeof(float), kBlockM);
-    } else if (lane < slots) {
-        const int tail = lane - kRowsMaps;
-        TensorMap* slot = own + kTailKMap + tail;
-        tensormap_copy(slot, tail == 0 ? maps.k : tail == 1 ? maps.v : tail == 2 ? maps.q : maps.dout);
+// A varlen block's tail maps, one a lane (0-3: K, V, Q, dO, their rows ending where the sequence ends), published to
+// lane 0, which issues every copy. (An extent is never 0, which a map may not hold: a block of an empty query
+// sequence copies no query tile.)
+__device__ __forceinline__ void complete_tail_maps(TensorMap* own, const Maps& maps, const Problem& pr, int lane) {
+    if (lane < kTailMaps) {
+        TensorMap* slot = own + kTailKMap + lane;
+        tensormap_copy(slot, lane == 0 ? maps.k : lane == 1 ? maps.v : lane == 2 ? maps.q : maps.dout);
         // (the rows, 32-bit as the maps' coordinates, worked out after the copy: the producer has few registers)
-        const int end = tail < 2 ? (int)pr.k_start + pr.seqlen_k : (int)pr.q_start + pr.seqlen_q;
+        const int end = lane < 2 ? (int)pr.k_start + pr.seqlen_k : (int)pr.q_start + pr.seqlen_q;
         tensormap_set_extent<1>(slot, (u32)max(end, 1));
         tensormap_publish(slot);
     }
     __syncwarp();
     if (lane == 0) {
-#pragma unroll 1
-        for (int i = 1; i < slots; ++i) tensormap_acquire(own + kRowsMap + i);
+#pragma unroll
+        for (int i = 0; i < kTailMaps; ++i) tensormap_acquire(own + kTailKMap + i);
     }
+}
+
+// The rows map, by the thread that issues its copies: D's and the LSE's scratch rows as the map's two rows, which
+// the copies see as `scratch_rows` values wide.
+__device__ __forceinline__ void complete_rows_map(TensorMap* slot, const BwdParams& p, const Maps& maps) {
+    const u32 scratch_rows = (u32)(p.lse_log2 - p.dsum);  // D's rows lie just before the LSE's
+    tensormap_complete_f32_rows(slot, maps.q, p.dsum, scratch_rows, 2, (u64)scratch_rows * sizeof(float), kBlockM);
 }
 
 // dK's and dV's maps, one a lane (0, 1): K's and V's given the gradients' address and strides (a zero stride is a
@@ -506,7 +505,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         if (lane == 0) smem.own_maps = own_maps;
         // A varlen sequence's copies go through the block's tail maps: through the whole tensor's, its last query
         // tile and key block would bring the next sequence's rows.
-        complete_load_maps(own_maps, p, maps, pr0, varlen, lane);
+        if (varlen) complete_tail_maps(own_maps, maps, pr0, lane);
         if (lane == 0) {
             mbarrier_arrive_expect_bytes(kv_full, (KTile::kElems + VTile::kElems) * kElemBytes);
             const TensorMap& k_map = varlen ? own_maps[kTailKMap] : maps.k;
@@ -542,6 +541,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
                                 blk * kSwizzleRowElems, q_row0 + m0, head, map_batch, bar);
                 }
                 // The rows' D and base-2 LSE: one box, an aligned run of each scratch row, zeros past the sequence.
+                // (The map is made while the first copies are in flight.)
+                if (step == 0) complete_rows_map(smem.own_maps + kRowsMap, p, maps);
                 const int row0 = scratch_row1 + (head - h_first) * scratch_heads + m0;
                 tma_load_2d(rows_smem + stage * kRowsStageBytes, smem.own_maps[kRowsMap], row0, 0, bar);
             }
