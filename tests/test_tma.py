@@ -122,8 +122,9 @@ def test_every_dq_template_is_as_wide_as_its_kernels_accumulator():
 
 def test_each_hopper_backward_block_has_a_slot_for_every_map_it_completes():
     """wgmma/bwd.cu's blocks complete maps of their own in the scratch (block_maps_of): the dQ writer's where it
-    adds boxes, dK's and dV's for the epilogue's stores, and K's, V's, Q's and dO's bounded by a varlen block's
-    sequence. The plan leaves as many 128-byte slots a block; kernels that take no maps need none."""
+    adds boxes, dK's and dV's for the epilogue's stores, the rows map for the loads of D and the LSE, and K's, V's,
+    Q's and dO's bounded by a varlen block's sequence. The plan leaves as many 128-byte slots a block; kernels that
+    take no maps need none."""
     from flashtile import backward, registry
 
     counts = set()
@@ -131,8 +132,8 @@ def test_each_hopper_backward_block_has_a_slot_for_every_map_it_completes():
         if spec.source != "wgmma/bwd.cu":
             continue
         writer_boxes = spec.dq_map is not None
-        assert backward.block_maps(spec, varlen=False) == writer_boxes + 2
-        assert backward.block_maps(spec, varlen=True) == writer_boxes + 6
+        assert backward.block_maps(spec, varlen=False) == writer_boxes + 3
+        assert backward.block_maps(spec, varlen=True) == writer_boxes + 7
         counts.add(writer_boxes)
     assert counts == {False, True}  # both kinds of build exist, so both sums were checked
     grid = specs.bwd_grid_spec("bf16", 192, 128, "sm_90a", specs.bwd_grid_tile(192, "sm_90a", ()))

@@ -25,6 +25,7 @@ from .launch import Launch
 TENSOR_MAP_FLOATS = specs.TENSOR_MAP_BYTES // 4  # a block's slot for its copy of a map, in the fp32 scratch
 SCRATCH_TILE = 128  # the backward's scratch rows come in whole tiles of this many (params.cuh, kScratchTile)
 EPILOGUE_MAPS = 2  # dK's and dV's
+ROWS_MAPS = 1      # the scratch rows of D and the base-2 LSE
 VARLEN_MAPS = 4    # K's, V's, Q's and dO's, bounded by a varlen block's sequence
 
 WARP = 32
@@ -156,10 +157,11 @@ def scratch_strides(problem: FwdProblem, lse: torch.Tensor) -> tuple[int, int]:
 def block_maps(spec, varlen: bool) -> int:
     """The tensor maps each block of the Hopper backward completes on the device, in slots of the scratch after
     the dQ accumulator (kernels/wgmma/bwd.cu, block_maps_of): the dQ writer's where it adds boxes, dK's and dV's
-    (their stores), and for a varlen problem K's, V's, Q's and dO's bounded by the block's sequence."""
+    (their stores), the rows map (the loads of D and the LSE), and for a varlen problem K's, V's, Q's and dO's
+    bounded by the block's sequence."""
     if spec.do_map is None:  # the kernels that take no maps
         return 0
-    return (spec.dq_map is not None) + EPILOGUE_MAPS + (VARLEN_MAPS if varlen else 0)
+    return (spec.dq_map is not None) + EPILOGUE_MAPS + ROWS_MAPS + (VARLEN_MAPS if varlen else 0)
 
 
 def kv_heads_per_launch(problem: FwdProblem, module: launch.LoadedModule, query_rows: int) -> int:

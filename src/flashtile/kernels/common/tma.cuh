@@ -44,11 +44,12 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
                  " @!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
 }
 
-// `bytes` (a multiple of 16) from global memory at `src` into shared memory at `dst`, both 16-byte aligned, by the
-// copy engine (no map: one contiguous run); bytes count on `bar` as a box's do.
-__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+// One box of a 2-D map at coordinates (c0 innermost, c1) into shared memory at `dst` (128-byte aligned); bytes count
+// on `bar`.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap& map, int c0, int c1, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];"
+                 :: "r"(dst), "l"(&map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
 // One box of a 5-D map at coordinates (c0 innermost .. c4).
@@ -113,6 +114,28 @@ __device__ __forceinline__ void tensormap_set_stride(TensorMap* slot, u64 bytes)
     asm volatile("tensormap.replace.tile.global_stride.global.b1024.b64 [%0], %1, %2;" :: "l"(slot), "n"(kDim - 1),
                  "l"(bytes) : "memory");
 }
+// The box's extent along dimension kDim, in elements (1 to 256).
+template <int kDim>
+__device__ __forceinline__ void tensormap_set_box(TensorMap* slot, u32 elements) {
+    asm volatile("tensormap.replace.tile.box_dim.global.b1024.b32 [%0], %1, %2;" :: "l"(slot), "n"(kDim),
+                 "r"(elements) : "memory");
+}
+// The map's rank (1 to 5; the field holds the rank less one), its element type (kTensormapF32) and its swizzle mode
+// (kTensormapNoSwizzle), each an immediate of the instruction.
+constexpr u32 kTensormapF32 = 7, kTensormapNoSwizzle = 0;
+template <u32 kRank>
+__device__ __forceinline__ void tensormap_set_rank(TensorMap* slot) {
+    asm volatile("tensormap.replace.tile.rank.global.b1024.b32 [%0], %1;" :: "l"(slot), "n"(kRank - 1) : "memory");
+}
+template <u32 kType>
+__device__ __forceinline__ void tensormap_set_elemtype(TensorMap* slot) {
+    asm volatile("tensormap.replace.tile.elemtype.global.b1024.b32 [%0], %1;" :: "l"(slot), "n"(kType) : "memory");
+}
+template <u32 kMode>
+__device__ __forceinline__ void tensormap_set_swizzle(TensorMap* slot) {
+    asm volatile("tensormap.replace.tile.swizzle_mode.global.b1024.b32 [%0], %1;" :: "l"(slot), "n"(kMode)
+                 : "memory");
+}
 __device__ __forceinline__ void tensormap_publish(const TensorMap* slot) {
     asm volatile("fence.proxy.tensormap::generic.release.cta;" ::: "memory");
     tensormap_acquire(slot);
@@ -124,6 +147,25 @@ __device__ __forceinline__ void tensormap_complete(TensorMap* slot, const Tensor
     tensormap_copy(slot, from);
     tensormap_set_address(slot, address);
     tensormap_set_extent<1>(slot, rows);
+    tensormap_publish(slot);
+}
+
+// A 2-D map of fp32 values, `rows` of `count` values each at `address`, `row_bytes` apart, boxes of `box` values of
+// every row, made from any map encoded on the host: every field that such a map reads is replaced (those of the
+// template's other dimensions are not read).
+__device__ __forceinline__ void tensormap_complete_f32_rows(TensorMap* slot, const TensorMap& from,
+                                                            const float* address, u32 count, u32 rows,
+                                                            u64 row_bytes, u32 box) {
+    tensormap_copy(slot, from);
+    tensormap_set_rank<2>(slot);
+    tensormap_set_elemtype<kTensormapF32>(slot);
+    tensormap_set_swizzle<kTensormapNoSwizzle>(slot);
+    tensormap_set_address(slot, address);
+    tensormap_set_extent<0>(slot, count);
+    tensormap_set_extent<1>(slot, rows);
+    tensormap_set_stride<1>(slot, row_bytes);
+    tensormap_set_box<0>(slot, box);
+    tensormap_set_box<1>(slot, rows);
     tensormap_publish(slot);
 }
 

@@ -24,11 +24,12 @@
 //               (bwd_dq.cuh, included at the end of this file).
 //           Every operand starts on a 128-byte column block.
 //           Loads: a producer warp (warpgroup 0, its registers given to the consumers by setmaxnreg) brings K and
-//           V once and each step's Q and dO by the tensor memory accelerator, and the rows' LSE and D by bulk
-//           copies from the scratch, into a ring of kStages stages with a "full" and an "empty" mbarrier each. The
-//           consumers wait only for the stage they need and meet once a step, at a named barrier of their own
-//           before dQ (dS^T is shared); dS^T (and P^T) alternate between two buffers, so that barrier is the only
-//           one.
+//           V once and each step's Q and dO by the tensor memory accelerator, and the rows' D and LSE from the
+//           scratch through a map the block makes of its own (compute-sanitizer's racecheck follows no mbarrier,
+//           and blames a plain bulk copy's writes on the thread that issued it), into a ring of kStages
+//           stages with a "full" and an "empty" mbarrier each. The consumers wait only for the stage they need and
+//           meet once a step, at a named barrier of their own before dQ (dS^T is shared); dS^T (and P^T) alternate
+//           between two buffers, so that barrier is the only one.
 //           A varlen block copies through maps of its own whose rows end where its sequence ends (the whole
 //           tensor's would bring the next sequence's rows into its last query tile and key block).
 //           Epilogue: the consumers stage dK and dV where K and V were, and the producer warp stores both tiles by
@@ -179,8 +180,7 @@ struct __align__(kSwizzleAtomBytes) SharedStorage : ProbabilityTile<!kSplitKeys>
     elem_t q[kStages][QTile::kElems];
     elem_t dout[kStages][DoTile::kElems];
     elem_t ds[kScoreBuffers][DsTile::kElems];
-    alignas(16) float lse_log2[kStages][kBlockM];  // bulk copies' destinations
-    alignas(16) float dsum[kStages][kBlockM];
+    alignas(128) float rows[kStages][2][kBlockM];  // a step's D, then its rows' base-2 LSE: one box of the rows map
     u64 kv_full;                 // K and V have landed
     u64 full[kStages];           // a step's Q, dO, LSE and D have landed (the copy engine)
     u64 empty[kStages];          // every consumer warp is done with the stage
@@ -349,14 +349,15 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const Mask& mask, c
 
 // The block's own tensor maps, completed on the device in the 128-byte slots the plan leaves in the scratch after
 // the dQ accumulator (backward.py, block_maps): the dQ writer's (with kDqBoxes), then dK's and dV's (K's and V's
-// maps given dK's and dV's address and strides), then, for a varlen problem, K's, V's, Q's and dO's with their rows
+// maps given dK's and dV's address and strides), then the rows map (the scratch's D and base-2 LSE as two rows of
+// fp32: one box is a query tile's D and LSE), then, for a varlen problem, K's, V's, Q's and dO's with their rows
 // ending where the block's sequence ends, so that the copy engine reads zeros past it and writes nothing there.
-enum BlockMap { kDkMap, kDvMap, kTailKMap, kTailVMap, kTailQMap, kTailDoMap };  // dO's map follows Q's, as in BwdMaps
-constexpr int kEpilogueMaps = 2, kTailMaps = 4;
+enum BlockMap { kDkMap, kDvMap, kRowsMap, kTailKMap, kTailVMap, kTailQMap, kTailDoMap };  // dO's follows Q's
+constexpr int kEpilogueMaps = 2, kRowsMaps = 1, kTailMaps = 4;
 static_assert(sizeof(BwdMaps) == 4 * sizeof(TensorMap), "BwdMaps holds K's, V's, Q's and dO's maps in a row");
 __device__ __forceinline__ TensorMap* block_maps_of(const BwdParams& p) {
     const i64 accum_floats = kDqPass ? 0 : (i64)(p.lse_log2 - p.dsum) * kHeadDim;  // scratch rows x the head dim
-    const int per_block = kDqBoxes + kEpilogueMaps + (p.fwd.cu_seqlens_q != nullptr ? kTailMaps : 0);
+    const int per_block = kDqBoxes + kEpilogueMaps + kRowsMaps + (p.fwd.cu_seqlens_q != nullptr ? kTailMaps : 0);
     const u32 block_index = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     return reinterpret_cast<TensorMap*>(p.dq_accum + accum_floats) + (i64)block_index * per_block;
 }
@@ -394,6 +395,13 @@ __device__ __forceinline__ void complete_tail_maps(TensorMap* own, const Maps& m
 #pragma unroll
         for (int i = 0; i < kTailMaps; ++i) tensormap_acquire(own + kTailKMap + i);
     }
+}
+
+// The rows map, by the thread that issues its copies: D's and the LSE's scratch rows as the map's two rows, which
+// the copies see as `scratch_rows` values wide.
+__device__ __forceinline__ void complete_rows_map(TensorMap* slot, const BwdParams& p, const Maps& maps) {
+    const u32 scratch_rows = (u32)(p.lse_log2 - p.dsum);  // D's rows lie just before the LSE's
+    tensormap_complete_f32_rows(slot, maps.q, p.dsum, scratch_rows, 2, (u64)scratch_rows * sizeof(float), kBlockM);
 }
 
 // dK's and dV's maps, one a lane (0, 1): K's and V's given the gradients' address and strides (a zero stride is a
@@ -459,10 +467,10 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
 
     const u32 k_smem = smem_addr(smem.k), v_smem = smem_addr(smem.v), ds_smem = smem_addr(smem.ds[0]);
     const u32 q_smem = smem_addr(smem.q[0]), do_smem = smem_addr(smem.dout[0]);
-    const u32 lse_smem = smem_addr(smem.lse_log2[0]), dsum_smem = smem_addr(smem.dsum[0]);
+    const u32 rows_smem = smem_addr(smem.rows[0][0]);
     const u32 kv_full = smem_addr(&smem.kv_full), full = smem_addr(&smem.full[0]), empty = smem_addr(&smem.empty[0]);
     constexpr u32 kQStageBytes = QTile::kElems * kElemBytes, kDoStageBytes = DoTile::kElems * kElemBytes;
-    constexpr u32 kRowStageBytes = kBlockM * sizeof(float);
+    constexpr u32 kRowBytes = kBlockM * sizeof(float), kRowsStageBytes = 2 * kRowBytes;  // D's, then the LSE's
     constexpr u32 kDsBufferBytes = DsTile::kElems * kElemBytes;
 
     if (threadIdx.x == kProducerThread) {
@@ -521,7 +529,7 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
             const u32 bar = full + stage * kMbarrierBytes;
             if (round > 0) mbarrier_wait(empty + stage * kMbarrierBytes, (round - 1) & 1);
             if (lane == 0) {
-                mbarrier_arrive_expect_bytes(bar, kQStageBytes + kDoStageBytes + 2 * kRowStageBytes);
+                mbarrier_arrive_expect_bytes(bar, kQStageBytes + kDoStageBytes + kRowsStageBytes);
                 const TensorMap* const q_and_do = varlen ? smem.own_maps + kTailQMap : &maps.q;  // dO's follows
                 const TensorMap& q_map = q_and_do[0];
                 const TensorMap& do_map = q_and_do[1];
@@ -532,10 +540,11 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
                     tma_load_4d(do_smem + stage * kDoStageBytes + blk * kColumnBlockBytes<DoTile>, do_map,
                                 blk * kSwizzleRowElems, q_row0 + m0, head, map_batch, bar);
                 }
-                // The rows' base-2 LSE and D: one aligned run of the scratch each, zeros past the sequence.
+                // The rows' D and base-2 LSE: one box, an aligned run of each scratch row, zeros past the sequence.
+                // (The map is made while the first copies are in flight.)
+                if (step == 0) complete_rows_map(smem.own_maps + kRowsMap, p, maps);
                 const int row0 = scratch_row1 + (head - h_first) * scratch_heads + m0;
-                bulk_load(lse_smem + stage * kRowStageBytes, p.lse_log2 + row0, kRowStageBytes, bar);
-                bulk_load(dsum_smem + stage * kRowStageBytes, p.dsum + row0, kRowStageBytes, bar);
+                tma_load_2d(rows_smem + stage * kRowsStageBytes, smem.own_maps[kRowsMap], row0, 0, bar);
             }
         }
 
@@ -626,8 +635,8 @@ attn_bwd(const __grid_constant__ BwdParams p, const __grid_constant__ Maps maps)
         const int head = h_first + step / m_tiles, m_tile = m_tile_of(step), m0 = m_tile * kBlockM;
         const int t = threadIdx.x % kQuad;
         const u32 sq = q_smem + stage * kQStageBytes, sdo = do_smem + stage * kDoStageBytes;
-        const u32 row_values = stage * kRowStageBytes + 2 * t * sizeof(float);  // this lane's column 0
-        const u32 lse_row = lse_smem + row_values, dsum_row = dsum_smem + row_values;
+        const u32 dsum_row = rows_smem + stage * kRowsStageBytes + 2 * t * sizeof(float);  // this lane's column 0
+        const u32 lse_row = dsum_row + kRowBytes;
         const int buffer = step % kScoreBuffers;
         elem_t* const ds_tile = smem.ds[buffer];
         const u32 ds_buffer = ds_piece + buffer * kDsBufferBytes;
